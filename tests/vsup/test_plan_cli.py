@@ -1,0 +1,151 @@
+"""`vsup plan` as an operator runs it: a real subprocess, its stdout, stderr and exit status."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+VSUP = [sys.executable, "-m", "vsup"]
+SMOLLM2 = {  # the default model's config.json, as DESIGN.md section 6 describes it
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000.0,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
+
+def vsup(*args, env=None):
+    return subprocess.run([*VSUP, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture
+def smollm2_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    return tmp_path
+
+
+@pytest.mark.parametrize("flags,total", [
+    ([], 3),
+    (["-tp", "4"], 6),
+    (["-tp", "2", "-pp", "2"], 6),
+    (["-tp", "2", "-dp", "4"], 17),
+    (["-dp", "2", "--api-server-count", "1"], 6),
+    (["--headless", "-dp", "4", "--dp-size-local", "2", "--dp-start-rank", "2", "-tp", "2"], 6),
+    (["--no-multiprocessing"], 1),
+])
+def test_plan_json_counts(flags, total):
+    result = vsup("plan", "--device", "cpu", "--json", *flags)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out) == {"total", "formula", "processes"}
+    assert out["total"] == total == len(out["processes"])
+    assert out["formula"].endswith(f"= {total} process{'' if total == 1 else 'es'}")
+    for p in out["processes"]:
+        assert set(p) == {"name", "role", "dp", "pp", "tp", "device", "title", "node"}
+
+
+def test_plan_text_shows_tree_and_formula():
+    result = vsup("plan", "--device", "cpu", "-tp", "4")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "1 api-server + 1 engine-core + 4 workers = 6 processes"
+    worker_lines = [line for line in lines if "worker dp0 pp0 tp" in line]
+    assert len(worker_lines) == 4 and all("vsup::worker_dp0_pp0_tp" in line for line in worker_lines)
+    assert "engine-core dp0" in result.stdout and "api-server a0" in result.stdout
+
+
+def test_environment_sets_an_option_and_a_flag_wins():
+    import os
+    env = dict(os.environ, VSUP_TENSOR_PARALLEL_SIZE="2", VSUP_ENABLE_MULTIPROCESSING="1")
+    assert json.loads(vsup("plan", "--device", "cpu", "--json", env=env).stdout)["total"] == 4
+    assert json.loads(vsup("plan", "--device", "cpu", "--json", "-tp", "1", env=env).stdout)["total"] == 3
+    env["VSUP_ENABLE_MULTIPROCESSING"] = "0"
+    assert json.loads(vsup("plan", "--device", "cpu", "--json", "-tp", "1", env=env).stdout)["total"] == 1
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["-tp", "0"], "-tp/--tensor-parallel-size must be at least 1"),
+    (["-tp", "abc"], "--tensor-parallel-size"),
+    (["-pp", "0"], "-pp/--pipeline-parallel-size"),
+    (["--device", "gpu"], "--device"),
+    (["--no-multiprocessing", "-dp", "2"], "--no-multiprocessing"),
+    (["--no-multiprocessing", "--api-server-count", "2"], "--api-server-count 1"),
+    (["--headless", "-dp", "2"], "--headless needs --dp-start-rank"),
+    (["/nonexistent/model"], "not a directory"),
+    (["--bogus"], "--bogus"),
+])
+def test_mistakes_exit_2_with_one_line(flags, needle):
+    result = vsup("plan", "--device", "cpu", *flags)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert needle in result.stderr
+
+
+def test_more_gpus_than_visible_is_refused():
+    import os
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    result = vsup("plan", "--device", "cuda", "-tp", "4", env=env)
+    assert result.returncode == 2
+    assert "needs 4 GPUs" in result.stderr and "2 are visible" in result.stderr
+    assert vsup("plan", "--device", "cuda", "-tp", "2", env=env).returncode == 0
+
+
+def test_auto_device_without_gpu_is_cpu():
+    import os
+    result = vsup("plan", "--json", env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    workers = [p for p in json.loads(result.stdout)["processes"] if p["role"] == "worker"]
+    assert [w["device"] for w in workers] == ["cpu"]
+
+
+def test_model_memory_figures(smollm2_dir):
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-memory", "1GiB")
+    assert result.returncode == 0, result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    worker = memory["workers"][0]
+    assert worker["weight_bytes"] == 134_515_008 * 4  # SmolLM2-135M's parameters, float32 on the CPU
+    assert worker["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert memory["tokens_per_dp_rank"] == 2**30 // (2 * 30 * 3 * 64 * 4)
+
+
+def test_model_tp_must_divide_heads(smollm2_dir):
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "-tp", "2")
+    assert result.returncode == 2
+    assert "-tp 1 or 3" in result.stderr
+    assert vsup("plan", str(smollm2_dir), "--device", "cpu", "-tp", "3").returncode == 0
+    assert "exceeds the model's 30 layers" in vsup("plan", str(smollm2_dir), "--device", "cpu", "-pp", "31").stderr
+
+
+def test_model_that_does_not_fit_says_by_how_much(smollm2_dir):
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-memory", "64MiB")
+    assert result.returncode == 2
+    # 64 MiB holds 1,456 tokens of 45 KiB (30 layers x K,V x 3 heads x 64 x 4 B); the model allows 8,192
+    assert "won't fit" in result.stderr and "short by 6,736 tokens" in result.stderr
+    assert vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-memory", "64MiB",
+                "--max-model-len", "1024").returncode == 0
+
+
+def test_directory_without_config_is_not_a_model(tmp_path):
+    result = vsup("plan", str(tmp_path), "--device", "cpu")
+    assert result.returncode == 2 and "no config.json" in result.stderr
+
+
+def test_plan_imports_no_torch_transformers_or_engine():
+    code = ("import sys; sys.argv = ['vsup', 'plan', '--device', 'cpu', '--json']\n"
+            "from vsup.cli.main import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'engine') if m in sys.modules]\n"
+            "print('HEAVY', heavy, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in result.stderr, result.stderr
+
+
+def test_version_and_help():
+    from vsup import __version__
+    assert vsup("--version").stdout.strip() == f"vsup {__version__}"
+    helptext = vsup("plan", "--help").stdout
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
+                 "--api-server-count", "--dp-size-local", "--dp-start-rank", "--headless", "--device",
+                 "--no-multiprocessing", "--kv-cache-memory", "--gpu-memory-utilization", "--json"):
+        assert flag in helptext

@@ -1,0 +1,3 @@
+from vsup.cli.main import run
+
+run()

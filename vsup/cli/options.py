@@ -1,0 +1,85 @@
+"""Every option of the CLI, defined once and shared by the commands that take it.
+
+Each option can also be set as VSUP_<NAME> (e.g. VSUP_TENSOR_PARALLEL_SIZE=4);
+a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+PARALLEL = "Parallelism"
+MEMORY = "Model and memory"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+def _option(*decls: str, help: str, panel: str | None = None, envvar: str | None = None, **kwargs):
+    long = next(d for d in decls if d.startswith("--")).split("/")[0]
+    envvar = envvar or "VSUP_" + long.lstrip("-").replace("-", "_").upper()
+    return typer.Option(*decls, help=help, envvar=envvar, rich_help_panel=panel, show_envvar=True, **kwargs)
+
+
+Model = Annotated[Optional[str], typer.Argument(
+    help="A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
+         "With it, plan also works out the memory per worker and the token capacity.",
+    show_default=False, metavar="MODEL")]
+
+TensorParallelSize = Annotated[int, _option(
+    "-tp", "--tensor-parallel-size", panel=PARALLEL,
+    help="Workers that split each layer (one device each); must divide the model's attention and KV heads.")]
+PipelineParallelSize = Annotated[int, _option(
+    "-pp", "--pipeline-parallel-size", panel=PARALLEL,
+    help="Pipeline stages, each a contiguous range of layers on its own workers.")]
+DataParallelSize = Annotated[int, _option(
+    "-dp", "--data-parallel-size", panel=PARALLEL,
+    help="Data-parallel ranks: each is an engine core with its own worker group. DP > 1 adds a coordinator.")]
+ApiServerCount = Annotated[Optional[int], _option(
+    "--api-server-count", panel=PARALLEL, show_default=False,
+    help="API server processes sharing the port.  [default: the DP size; 0 with --headless]")]
+DpSizeLocal = Annotated[Optional[int], _option(
+    "--dp-size-local", panel=PARALLEL, show_default=False,
+    help="DP ranks that run on this node.  [default: all of them]")]
+DpStartRank = Annotated[Optional[int], _option(
+    "--dp-start-rank", panel=PARALLEL, show_default=False,
+    help="The first DP rank this node runs (with --headless).")]
+Headless = Annotated[bool, _option(
+    "--headless", panel=PARALLEL,
+    help="Run only engine cores and workers; they join the head node's API servers and coordinator.")]
+DeviceOpt = Annotated[Device, _option(
+    "--device", panel=PARALLEL, case_sensitive=False,
+    help="Where workers run: auto picks cuda when a GPU is visible, else cpu.")]
+Multiprocessing = Annotated[bool, _option(
+    "--multiprocessing/--no-multiprocessing", panel=PARALLEL, envvar="VSUP_ENABLE_MULTIPROCESSING",
+    help="--no-multiprocessing runs the engine core (and with TP = PP = 1 the worker) inside the one "
+         "API server process, so scheduling order is repeatable. Needs DP = 1 and one API server.")]
+
+DTypeOpt = Annotated[DType, _option(
+    "--dtype", panel=MEMORY, case_sensitive=False,
+    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU.")]
+MaxModelLen = Annotated[Optional[int], _option(
+    "--max-model-len", panel=MEMORY, show_default=False,
+    help="Longest prompt plus output, in tokens.  [default: the model's max_position_embeddings]")]
+KvCacheMemory = Annotated[Optional[str], _option(
+    "--kv-cache-memory", panel=MEMORY, show_default=False,
+    help="KV cache size per worker, like 4GiB or 512MiB.  [default: 1GiB on the CPU; on CUDA what "
+         "--gpu-memory-utilization leaves after the weights]")]
+GpuMemoryUtilization = Annotated[float, _option(
+    "--gpu-memory-utilization", panel=MEMORY,
+    help="Share of each GPU's memory that weights and KV cache may use.")]
+
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]

@@ -1,0 +1,61 @@
+"""What devices this node has, found without importing torch."""
+
+from __future__ import annotations
+
+import os
+
+from vsup.errors import UsageError
+
+NVIDIA_PROC = "/proc/driver/nvidia/gpus"
+
+
+def visible_gpu_count() -> int:
+    """GPUs a child process would see: CUDA_VISIBLE_DEVICES when set, else the driver's count."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if os.path.isdir(NVIDIA_PROC):
+        return len(os.listdir(NVIDIA_PROC))
+    out = _nvidia_smi("-L")
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def _nvidia_smi(*args: str) -> str:
+    """nvidia-smi's output, or "" where it is missing or fails."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the first visible GPU, or None when nvidia-smi cannot tell."""
+    out = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
+    try:
+        return int(out.split()[0]) * 2**20
+    except (ValueError, IndexError):
+        return None
+
+
+def resolve_device(device: str) -> str:
+    """`auto` becomes cuda when a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if visible_gpu_count() > 0 else "cpu"
+    return device
+
+
+def check_devices(device: str, needed: int) -> None:
+    """Refuse a plan that needs more GPUs on this node than are visible."""
+    if device != "cuda":
+        return
+    visible = visible_gpu_count()
+    if needed > visible:
+        raise UsageError(
+            f"--device cuda: this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} "
+            f"{'is' if visible == 1 else 'are'} visible; lower -tp/-pp/-dp or --dp-size-local, "
+            f"or use --device cpu")

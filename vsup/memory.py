@@ -1,0 +1,154 @@
+"""Memory arithmetic for a plan: weights per worker, KV bytes per token, token capacity.
+
+Pure functions of the model's shape and the flags; the device's size comes in
+as an argument.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vsup.errors import UsageError
+from vsup.model_shape import DTYPE_BYTES, ModelShape
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2**30  # like vLLM's CPU KV cache space: a fixed size, not a fraction of RAM
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '2G' or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like 4GiB, 512MiB or 1000000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[range]:
+    """Contiguous layer ranges per pipeline stage; the first stages take the remainder."""
+    base, extra = divmod(num_layers, pipeline_parallel_size)
+    ranges, start = [], 0
+    for stage in range(pipeline_parallel_size):
+        size = base + (stage < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
+    """`auto` is the model's own dtype on CUDA and float32 on the CPU."""
+    if dtype == "auto":
+        return shape.dtype if device == "cuda" else "float32"
+    if dtype not in DTYPE_BYTES:
+        raise UsageError(f"--dtype must be auto, {', '.join(DTYPE_BYTES)} (got {dtype!r})")
+    return dtype
+
+
+def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_bytes: int) -> int:
+    """Bytes of weights one worker of `stage` holds: its layers' TP slices, plus the
+    vocab-parallel embedding on the first stage and the head on the last."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    per_layer = (h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size) // tp + 2 * h
+    if shape.attention_bias:
+        per_layer += (q + 2 * kv) // tp
+    params = len(layer_ranges(shape.num_layers, pp)[stage]) * per_layer
+    embedding = shape.vocab_size * h // tp
+    if stage == 0:
+        params += embedding
+    if stage == pp - 1:
+        params += h  # final norm
+        if not (shape.tie_word_embeddings and pp == 1):
+            params += embedding  # the head (a copy of the embedding when tied across stages)
+    return params * dtype_bytes
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int, num_layers: int, dtype_bytes: int) -> int:
+    """Key and value bytes one token takes in one worker's slice of the cache."""
+    return 2 * num_layers * (shape.num_kv_heads // tp) * shape.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    layers: range
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.kv_cache_bytes // self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-stage figures (every TP rank of a stage holds the same) and the capacity per DP rank."""
+
+    dtype: str
+    stages: tuple[StageMemory, ...]
+
+    @property
+    def tokens_per_dp_rank(self) -> int:
+        return min(s.tokens for s in self.stages)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Summed over the whole worker group: what one token costs a DP rank."""
+        return sum(s.kv_bytes_per_token for s in self.stages)
+
+
+def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
+                device_bytes: int | None, kv_cache_memory: int | None,
+                gpu_memory_utilization: float, max_model_len: int | None) -> MemoryPlan:
+    """Work out what each worker holds, or raise a "won't fit" UsageError saying by how much.
+
+    `device_bytes` is one worker's share of its device: a GPU's memory, or the
+    node's RAM divided among its workers; None when it cannot be known.
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
+    dtype = resolve_dtype(dtype, shape, device)
+    nbytes = DTYPE_BYTES[dtype]
+    usable = None if device_bytes is None else int(device_bytes * (gpu_memory_utilization if device == "cuda" else 1))
+    stages = []
+    for stage, layers in enumerate(layer_ranges(shape.num_layers, pp)):
+        weights = worker_weight_bytes(shape, tp, pp, stage, nbytes)
+        if usable is not None and weights > usable:
+            raise UsageError(
+                f"won't fit: a worker of stage pp{stage} needs {format_bytes(weights)} of weights but has "
+                f"{format_bytes(usable)}; short by {format_bytes(weights - usable)}. Raise -tp or -pp")
+        if kv_cache_memory is not None:
+            kv_cache = kv_cache_memory
+        elif device == "cuda" and usable is not None:
+            kv_cache = usable - weights
+        else:
+            kv_cache = DEFAULT_CPU_KV_CACHE_BYTES
+        if usable is not None and weights + kv_cache > usable:
+            raise UsageError(
+                f"won't fit: a worker of stage pp{stage} needs {format_bytes(weights)} of weights plus "
+                f"{format_bytes(kv_cache)} of KV cache but has {format_bytes(usable)}; short by "
+                f"{format_bytes(weights + kv_cache - usable)}. Lower --kv-cache-memory or raise -tp/-pp")
+        stages.append(StageMemory(stage, layers, weights, kv_bytes_per_token(shape, tp, len(layers), nbytes),
+                                  kv_cache))
+    result = MemoryPlan(dtype, tuple(stages))
+    needed = max_model_len or shape.max_position_embeddings
+    if result.tokens_per_dp_rank < needed:
+        short = needed - result.tokens_per_dp_rank
+        worst = max(result.stages, key=lambda s: s.kv_bytes_per_token)
+        raise UsageError(
+            f"won't fit: the KV cache holds {result.tokens_per_dp_rank:,} tokens per DP rank but one request of "
+            f"--max-model-len {needed:,} needs {needed:,}; short by {short:,} tokens "
+            f"({format_bytes(short * worst.kv_bytes_per_token)} per worker). Raise --kv-cache-memory or "
+            f"--gpu-memory-utilization, or lower --max-model-len")
+    return result

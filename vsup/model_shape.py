@@ -1,0 +1,83 @@
+"""The shape of a model, read from its Hugging Face config.json (no torch)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vsup.errors import UsageError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of a Llama-family decoder."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model") -> ModelShape:
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+            return cls(
+                name=name,
+                num_layers=int(config["num_hidden_layers"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                vocab_size=int(config["vocab_size"]),
+                max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+                dtype=dtype if dtype in DTYPE_BYTES else "float32",
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"MODEL: config.json lacks a usable {e} field; is this a Llama-family model?") from None
+
+    def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Refuse TP that does not divide the heads, or PP with more stages than layers."""
+        tp = tensor_parallel_size
+        if self.num_heads % tp or self.num_kv_heads % tp:
+            choices = [d for d in range(1, self.num_kv_heads + 1)
+                       if self.num_kv_heads % d == 0 and self.num_heads % d == 0]
+            raise UsageError(
+                f"-tp/--tensor-parallel-size {tp} does not divide the model's {self.num_heads} attention heads "
+                f"and {self.num_kv_heads} KV heads; use -tp {' or '.join(map(str, choices))}")
+        if pipeline_parallel_size > self.num_layers:
+            raise UsageError(
+                f"-pp/--pipeline-parallel-size {pipeline_parallel_size} exceeds the model's {self.num_layers} "
+                f"layers; use at most -pp {self.num_layers}")
+
+
+def read_model_shape(path: str | Path) -> ModelShape:
+    """Read MODEL's config.json; a path that is not a model directory is a usage error."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UsageError(f"MODEL {str(path)!r} is not a directory; give a local Hugging Face model directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"MODEL {str(path)!r} has no config.json; give a local Hugging Face model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"MODEL {str(path)!r}: config.json cannot be read ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"MODEL {str(path)!r}: config.json is not a JSON object")
+    return ModelShape.from_config(config, name=path.name)

@@ -1,0 +1,69 @@
+"""Text views of a plan: the process tree per node and the memory figures. Formatting only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vsup.topology import ENGINE_CORE, WORKER, Plan, ProcessSpec
+
+if TYPE_CHECKING:
+    from vsup.memory import MemoryPlan
+    from vsup.model_shape import ModelShape
+
+
+def _tree_rows(processes: list[ProcessSpec]) -> list[tuple[str, ProcessSpec]]:
+    """(branch prefix, process) rows: workers hang under their engine core.
+
+    In-process mode has no engine core, so its workers hang under the API server."""
+    workers = [p for p in processes if p.role == WORKER]
+    has_core = any(p.role == ENGINE_CORE for p in processes)
+    top = [p for p in processes if p.role != WORKER]
+    rows = []
+    for i, parent in enumerate(top):
+        last = i == len(top) - 1
+        rows.append(("└── " if last else "├── ", parent))
+        if parent.role == ENGINE_CORE:
+            children = [w for w in workers if w.dp == parent.dp]
+        else:
+            children = [] if has_core else workers
+        for j, child in enumerate(children):
+            rows.append((("    " if last else "│   ") + ("└── " if j == len(children) - 1 else "├── "), child))
+    return rows
+
+
+def render_plan(plan: Plan) -> str:
+    """The tree under the supervisor of each node, then the formula."""
+    lines = []
+    many_nodes = len(plan.nodes()) > 1 or plan.config.headless
+    for node in plan.nodes():
+        processes = plan.on_node(node)
+        rows = _tree_rows(processes)
+        width = max(len(prefix) + len(p.name) for prefix, p in rows)
+        where = f"node {node}" + (" (head)" if node == 0 else " (headless)")
+        lines.append(f"supervisor (vsup serve{', ' + where if many_nodes else ''})")
+        for prefix, p in rows:
+            lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}  {p.title}")
+        if many_nodes:
+            share = Plan(plan.config, tuple(processes))
+            lines.append(f"{where}: {share.formula}")
+        lines.append("")
+    lines.append(plan.formula)
+    if plan.config.headless:
+        lines.append("(this node only: the API servers and the coordinator run on the head node)")
+    return "\n".join(lines)
+
+
+def render_memory(shape: ModelShape, memory: MemoryPlan, max_model_len: int | None) -> str:
+    """Per-worker weights and KV figures, and the token capacity of each DP rank."""
+    from vsup.memory import format_bytes
+
+    lines = [f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+             f"{shape.num_heads} heads ({shape.num_kv_heads} KV), vocab {shape.vocab_size}, {memory.dtype}"]
+    for s in memory.stages:
+        lines.append(f"  worker pp{s.stage} (each tp rank): layers {s.layers.start}-{s.layers.stop - 1}, "
+                     f"weights {format_bytes(s.weight_bytes)}, KV {format_bytes(s.kv_bytes_per_token)}/token, "
+                     f"KV cache {format_bytes(s.kv_cache_bytes)}")
+    lines.append(f"  KV cache per DP rank: {format_bytes(memory.kv_bytes_per_token)} per token, "
+                 f"{memory.tokens_per_dp_rank:,} tokens "
+                 f"(max-model-len {max_model_len or shape.max_position_embeddings:,})")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""The process tree: one pure function from the parallel flags to the processes.
+
+`vsup plan` prints what `plan()` returns and `vsup serve` launches exactly it,
+so the prediction cannot drift from what runs. No I/O, no torch, no engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vsup.errors import UsageError
+
+API_SERVER = "api-server"
+ENGINE_CORE = "engine-core"
+WORKER = "worker"
+COORDINATOR = "coordinator"
+ROLES = (API_SERVER, ENGINE_CORE, WORKER, COORDINATOR)
+
+# the module each role runs: the argv contract between vsup and engine
+ENTRY_POINTS = {
+    API_SERVER: "engine.api_server",
+    ENGINE_CORE: "engine.core",
+    WORKER: "engine.worker",
+    COORDINATOR: "engine.coordinator",
+}
+
+
+def process_name(role: str, *, a: int | None = None, dp: int | None = None,
+                 pp: int | None = None, tp: int | None = None) -> str:
+    """The one spelling of a process: `api-server a0`, `worker dp0 pp0 tp1`."""
+    parts = [role]
+    if a is not None:
+        parts.append(f"a{a}")
+    for prefix, rank in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if rank is not None:
+            parts.append(f"{prefix}{rank}")
+    return " ".join(parts)
+
+
+def process_title(name: str) -> str:
+    """The process title a child sets: `vsup::worker_dp0_pp0_tp1`."""
+    return "vsup::" + name.replace(" ", "_")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel shape of a deployment, as the flags give it.
+
+    `device` is already resolved to "cpu" or "cuda" (resolving "auto" needs
+    I/O, which lives in vsup.devices). Sizes are checked here, so every
+    caller gets the same errors.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    api_server_count: int | None = None
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    headless: bool = False
+    device: str = "cpu"
+    multiprocessing: bool = True
+
+    def __post_init__(self):
+        for flag, value in (("-tp/--tensor-parallel-size", self.tensor_parallel_size),
+                            ("-pp/--pipeline-parallel-size", self.pipeline_parallel_size),
+                            ("-dp/--data-parallel-size", self.data_parallel_size)):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1 (got {value})")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be auto, cuda or cpu (got {self.device!r})")
+        if self.api_server_count is not None and self.api_server_count < 0:
+            raise UsageError(f"--api-server-count must be at least 1 (got {self.api_server_count})")
+        self._check_nodes()
+        self._check_in_process()
+
+    def _check_nodes(self):
+        dp, local, start = self.data_parallel_size, self.data_parallel_size_local, self.data_parallel_start_rank
+        if local is not None and not 1 <= local <= dp:
+            raise UsageError(f"--dp-size-local must be between 1 and -dp/--data-parallel-size ({dp}), got {local}")
+        if self.headless:
+            if start is None:
+                raise UsageError("--headless needs --dp-start-rank: the first data-parallel rank this node runs")
+            if start < 1:
+                raise UsageError("--dp-start-rank must be at least 1 on a headless node: rank 0 runs on the head node")
+            if self.api_server_count:
+                raise UsageError("--api-server-count must be 0 with --headless: API servers run on the head node")
+        elif start not in (None, 0):
+            raise UsageError(f"--dp-start-rank {start} needs --headless: the head node always runs rank 0")
+        first = start or 0
+        if first + self.dp_size_local > dp:
+            raise UsageError(
+                f"--dp-start-rank {first} + --dp-size-local {self.dp_size_local} exceeds "
+                f"-dp/--data-parallel-size {dp}; lower one of them")
+        if not self.headless and self.api_server_count == 0:
+            raise UsageError("--api-server-count must be at least 1 on the head node (use --headless for a node without one)")
+
+    def _check_in_process(self):
+        if self.multiprocessing:
+            return
+        if self.data_parallel_size > 1:
+            raise UsageError("--no-multiprocessing needs -dp/--data-parallel-size 1: each DP rank is its own engine core process")
+        if (self.api_server_count or 1) > 1:
+            raise UsageError("--no-multiprocessing needs --api-server-count 1: the engine core runs inside the one API server")
+        if self.headless:
+            raise UsageError("--no-multiprocessing cannot be combined with --headless")
+
+    @property
+    def dp_size_local(self) -> int:
+        """How many DP ranks run on this node."""
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        return self.data_parallel_size - (self.data_parallel_start_rank or 0)
+
+    @property
+    def dp_start_rank(self) -> int:
+        return self.data_parallel_start_rank or 0
+
+    @property
+    def workers_per_engine(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_api_servers(self) -> int:
+        if self.headless:
+            return 0
+        if self.api_server_count is not None:
+            return self.api_server_count
+        return self.data_parallel_size
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices that this node's workers need: one each."""
+        return self.dp_size_local * self.workers_per_engine
+
+    def node_of(self, dp_rank: int) -> int:
+        """The node a DP rank lives on: the head (0) holds the first ranks;
+        every other node is assumed to hold as many as this one."""
+        local = self.dp_size_local
+        if self.headless:
+            return -(-self.dp_start_rank // local) + (dp_rank - self.dp_start_rank) // local
+        return 0 if dp_rank < local else 1 + (dp_rank - local) // local
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the tree: what `plan` shows and `serve` starts."""
+
+    role: str
+    name: str
+    title: str
+    node: int
+    device: str | None
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    a: int | None = None
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "role": self.role, "dp": self.dp, "pp": self.pp,
+                "tp": self.tp, "device": self.device, "title": self.title, "node": self.node}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The processes of a deployment and the count formula with its terms."""
+
+    config: ParallelConfig
+    processes: tuple[ProcessSpec, ...]
+
+    @property
+    def total(self) -> int:
+        return len(self.processes)
+
+    def count(self, role: str) -> int:
+        return sum(p.role == role for p in self.processes)
+
+    @property
+    def formula(self) -> str:
+        counts = [(self.count(role), role) for role in ROLES]
+        terms = [f"{n} {role}{'' if n == 1 else 's'}" for n, role in counts if n]
+        total = self.total
+        return f"{' + '.join(terms)} = {total} process{'' if total == 1 else 'es'}"
+
+    def nodes(self) -> list[int]:
+        return sorted({p.node for p in self.processes})
+
+    def on_node(self, node: int) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.node == node]
+
+    def to_json(self) -> dict:
+        return {"total": self.total, "formula": self.formula,
+                "processes": [p.to_json() for p in self.processes]}
+
+
+def plan(config: ParallelConfig, *, python: str = "python",
+         engine_args: tuple[str, ...] = ()) -> Plan:
+    """Every process of the deployment, in start order of roles.
+
+    `python` and `engine_args` only shape argv: the interpreter that runs the
+    children and the flags (model, run dir, ...) that every child receives.
+    """
+    tp_size, pp_size, dp_size = (config.tensor_parallel_size, config.pipeline_parallel_size,
+                                 config.data_parallel_size)
+    common = ("--tensor-parallel-size", str(tp_size), "--pipeline-parallel-size", str(pp_size),
+              "--data-parallel-size", str(dp_size), *engine_args)
+
+    def spec(role: str, node: int, device: str | None, rank_args: tuple[str, ...], **ranks) -> ProcessSpec:
+        name = process_name(role, **ranks)
+        title = process_title(name)
+        argv = (python, "-m", ENTRY_POINTS[role], *rank_args, *common)
+        env = {"VSUP_ROLE": role, "VSUP_PROCESS_NAME": name, "VSUP_PROCESS_TITLE": title}
+        return ProcessSpec(role=role, name=name, title=title, node=node, device=device,
+                           argv=argv, env=env, **ranks)
+
+    def device_of(dp: int, pp: int, tp: int) -> str:
+        if config.device == "cpu":
+            return "cpu"
+        local_index = (dp - config.dp_start_rank) % config.dp_size_local
+        return f"cuda:{local_index * config.workers_per_engine + pp * tp_size + tp}"
+
+    if not config.multiprocessing:
+        # the engine core runs inside the API server; with TP = PP = 1 the worker too
+        inside = config.workers_per_engine == 1
+        processes = [spec(API_SERVER, 0, device_of(0, 0, 0) if inside else None,
+                          ("--api-server-rank", "0", "--no-multiprocessing"), a=0)]
+        if not inside:
+            processes += [spec(WORKER, 0, device_of(0, pp, tp),
+                               ("--dp-rank", "0", "--pp-rank", str(pp), "--tp-rank", str(tp),
+                                "--device", device_of(0, pp, tp)), dp=0, pp=pp, tp=tp)
+                          for pp in range(pp_size) for tp in range(tp_size)]
+        return Plan(config, tuple(processes))
+
+    first = config.dp_start_rank
+    dp_ranks = range(first, dp_size) if not config.headless else range(first, first + config.dp_size_local)
+    head = config.node_of(first)
+    processes = [spec(API_SERVER, head, None, ("--api-server-rank", str(a)), a=a)
+                 for a in range(config.num_api_servers)]
+    processes += [spec(ENGINE_CORE, config.node_of(dp), None, ("--dp-rank", str(dp)), dp=dp)
+                  for dp in dp_ranks]
+    processes += [spec(WORKER, config.node_of(dp), device_of(dp, pp, tp),
+                       ("--dp-rank", str(dp), "--pp-rank", str(pp), "--tp-rank", str(tp),
+                        "--device", device_of(dp, pp, tp)), dp=dp, pp=pp, tp=tp)
+                  for dp in dp_ranks for pp in range(pp_size) for tp in range(tp_size)]
+    if dp_size > 1 and not config.headless:
+        processes.append(spec(COORDINATOR, head, None, ()))
+    return Plan(config, tuple(processes))
