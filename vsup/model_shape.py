@@ -52,11 +52,11 @@ class ModelShape:
             raise UsageError(f"MODEL: config.json lacks a usable {e} field; is this a Llama-family model?") from None
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-        """Refuse TP that does not divide the heads, or PP with more stages than layers."""
+        """Refuse TP that does not split the heads and the MLP evenly, or PP with more stages than layers."""
         tp = tensor_parallel_size
-        if self.num_heads % tp or self.num_kv_heads % tp:
-            choices = [d for d in range(1, self.num_kv_heads + 1)
-                       if self.num_kv_heads % d == 0 and self.num_heads % d == 0]
+        sizes = (self.num_heads, self.num_kv_heads, self.intermediate_size)
+        if any(size % tp for size in sizes):
+            choices = [d for d in range(1, self.num_kv_heads + 1) if not any(size % d for size in sizes)]
             raise UsageError(
                 f"-tp/--tensor-parallel-size {tp} does not divide the model's {self.num_heads} attention heads "
                 f"and {self.num_kv_heads} KV heads; use -tp {' or '.join(map(str, choices))}")

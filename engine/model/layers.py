@@ -1,0 +1,198 @@
+"""The building blocks of a Llama-family decoder, sharded for tensor parallelism.
+
+Every layer with weights has `load_weight(name, loaded, shard_id=0)`, where
+`loaded` is a safetensors slice (or a tensor: both index the same way), so
+each rank reads only the rows or columns it keeps. Parameters are allocated
+uninitialized: the loader fills them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import ParallelGroups
+from engine.model.config import RopeScaling
+
+
+def _shape(loaded) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def _check_shape(loaded, expected: tuple[int, ...], what: str) -> None:
+    if _shape(loaded) != expected:
+        raise ValueError(f"checkpoint tensor for {what} has shape {list(_shape(loaded))}, but config.json "
+                         f"implies {list(expected)}; the checkpoint and its config.json disagree")
+
+
+def _empty(groups: ParallelGroups, dtype: torch.dtype, *shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=groups.device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm, computed in float32 as transformers does; with `residual`
+    it first adds it and returns (normed, new residual)."""
+
+    def __init__(self, size: int, eps: float, groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(groups, dtype, size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = residual + x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
+        _check_shape(loaded, tuple(self.weight.shape), "a norm weight")
+        self.weight.data.copy_(loaded[:])
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """The rotary frequencies, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slow down by `factor`, short ones stay, the band between is blended
+    old_len = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over a precomputed cos/sin table; one
+    instance is shared by all the layers of a rank."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None,
+                 groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=groups.device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=groups.device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """Rotate `query` [T, H, D] and `key` [T, H_kv, D] by their token's position."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: each TP rank computes its
+    slice of the output, no communication. `output_sizes` lists the full
+    sizes of fused parts (q, k, v or gate, up); each part is split on its own,
+    so a rank's weight is [q_r; k_r; v_r], loaded part by part (`shard_id`)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        tp = groups.tp_size
+        if any(size % tp for size in output_sizes):
+            raise ValueError(f"output sizes {output_sizes} do not split over tensor parallel size {tp}")
+        self.tp_rank = groups.tp_rank
+        self.input_size = input_size
+        self.output_sizes = output_sizes
+        self.shard_sizes = [size // tp for size in output_sizes]
+        self.weight = _empty(groups, dtype, sum(self.shard_sizes), input_size)
+        self.bias = _empty(groups, dtype, sum(self.shard_sizes)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
+        size = self.shard_sizes[shard_id]
+        offset = sum(self.shard_sizes[:shard_id])
+        start = self.tp_rank * size
+        full = (self.output_sizes[shard_id],) + ((self.input_size,) if name == "weight" else ())
+        _check_shape(loaded, full, f"part {shard_id} of a column-parallel {name}")
+        getattr(self, name).data[offset:offset + size].copy_(loaded[start:start + size])
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: each TP rank multiplies
+    its slice of x, the partial sums are all-reduced, then the bias is added
+    once (every rank holds all of it)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        if input_size % groups.tp_size:
+            raise ValueError(f"input size {input_size} does not split over tensor parallel size {groups.tp_size}")
+        self.groups = groups
+        self.input_size, self.output_size = input_size, output_size
+        self.shard_size = input_size // groups.tp_size
+        self.weight = _empty(groups, dtype, output_size, self.shard_size)
+        self.bias = _empty(groups, dtype, output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.groups.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
+        if name == "bias":
+            _check_shape(loaded, (self.output_size,), "a row-parallel bias")
+            self.bias.data.copy_(loaded[:])
+            return
+        _check_shape(loaded, (self.output_size, self.input_size), "a row-parallel weight")
+        start = self.groups.tp_rank * self.shard_size
+        self.weight.data.copy_(loaded[:, start:start + self.shard_size])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split by vocabulary rows: rank r holds ids
+    [r * n, (r + 1) * n) with n = ceil(vocab / tp) (the last shard padded with
+    zero rows); ids outside a rank's range look up zeros, and an all-reduce
+    sums the one rank that has each id."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        self.groups = groups
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.shard_size = -(-vocab_size // groups.tp_size)
+        self.vocab_start = groups.tp_rank * self.shard_size
+        self.weight = _empty(groups, dtype, self.shard_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.groups.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.groups.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
+        _check_shape(loaded, (self.vocab_size, self.hidden_size), "the embedding or LM head")
+        num_rows = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
+        self.weight.data[:num_rows].copy_(loaded[self.vocab_start:self.vocab_start + num_rows])
+        self.weight.data[num_rows:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding
+    (so a tied head can share its weight); logits are gathered on TP rank 0."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits [N, vocab] on TP rank 0; None on other ranks."""
+        logits = self.groups.gather(F.linear(hidden, self.weight), dim=-1)
+        return None if logits is None else logits[..., :self.vocab_size]

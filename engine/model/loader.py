@@ -1,0 +1,92 @@
+"""Fill one rank's model from a local Hugging Face directory of safetensors.
+
+Each rank opens the files itself and reads, through `get_slice`, only the
+rows or columns of only the tensors it holds: a pipeline stage never touches
+another stage's layers, a TP rank never materializes a whole matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.distributed import ParallelGroups
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (one file, or many
+    listed in model.safetensors.index.json)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(model_dir)!r} has no *.safetensors file; vsup loads safetensors checkpoints only "
+                         f"(convert .bin or GGUF weights with save_pretrained(..., safe_serialization=True))")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update((name, file) for name in f.keys())
+    return names
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Copy this rank's slices of the checkpoint into `model`, converting to
+    its dtype. Returns, for each tensor read, the shape of what was read
+    (the shard, not the full tensor). Raises ValueError when a tensor this
+    rank needs is missing."""
+    plan = model.checkpoint_weights()
+    files = checkpoint_files(model_dir)
+    missing = sorted(name for name in plan if name not in files)
+    if missing:
+        raise ValueError(f"the checkpoint in {str(model_dir)!r} lacks {len(missing)} tensors the model needs "
+                         f"(first: {missing[0]}); does config.json describe these weights?")
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in plan:
+        by_file[files[name]].append(name)
+    read: dict[str, tuple[int, ...]] = {}
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                for module, param, shard_id in plan[name]:
+                    reader = _RecordingSlice(f.get_slice(name))
+                    module.load_weight(param, reader, shard_id)
+                    read[name] = reader.shape_read
+    return read
+
+
+def load_model(model_dir: str | Path, groups: ParallelGroups | None = None, dtype: str | None = None,
+               config: ModelConfig | None = None) -> LlamaForCausalLM:
+    """Build this rank's shard of the model in `model_dir` and load it.
+    `dtype` (float32, float16, bfloat16, or None/"auto" for the checkpoint's)
+    may differ from the files': tensors are converted as they are copied."""
+    config = config or ModelConfig.from_pretrained(model_dir, dtype=dtype)
+    model = LlamaForCausalLM(config, groups)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+class _RecordingSlice:
+    """A safetensors slice that remembers the shape of what was read through it."""
+
+    def __init__(self, sliced):
+        self._slice = sliced
+        self.shape_read: tuple[int, ...] = ()
+
+    def get_shape(self) -> list[int]:
+        return self._slice.get_shape()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        tensor = self._slice[index]
+        self.shape_read = tuple(tensor.shape)
+        return tensor

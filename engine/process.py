@@ -1,0 +1,43 @@
+"""Who this process is in the tree: its name, its title, and its tie to the supervisor.
+
+Every entry point (`python -m engine.worker`, ...) calls `become()` first.
+The supervisor passes the name and title in the environment (vsup's topology
+spells them), so the engine never re-derives them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def process_name(default: str) -> str:
+    """The name the supervisor gave this process (`worker dp0 pp0 tp1`), or `default`."""
+    return os.environ.get("VSUP_PROCESS_NAME", default)
+
+
+def become(default_name: str) -> str:
+    """Set the process title and die with the supervisor; returns the process name.
+
+    PR_SET_PDEATHSIG is set by the child itself, so it holds whoever spawned
+    it; and a parent that died before that call is caught by comparing
+    getppid() with the pid the supervisor wrote into VSUP_SUPERVISOR_PID.
+    """
+    name = process_name(default_name)
+    title = os.environ.get("VSUP_PROCESS_TITLE", "vsup::" + name.replace(" ", "_"))
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover - a declared dependency
+        pass
+    supervisor = os.environ.get("VSUP_SUPERVISOR_PID")
+    if supervisor and sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != int(supervisor):
+            os._exit(1)  # the supervisor is already gone: nobody would ever stop us
+    return name

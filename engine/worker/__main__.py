@@ -1,0 +1,5 @@
+import sys
+
+from engine.worker.worker_proc import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""Messages between an engine core and its workers, besides the step itself.
+
+Each worker holds one DEALER socket to its engine core's ROUTER: the core
+sends control messages and each step's SchedulerOutput down it, the worker
+sends READY, failures and (from the sampling rank) sampled tokens back.
+msgpack through msgspec, tagged, never pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    """A worker has its weights loaded and tells what its KV budget holds."""
+
+    name: str
+    pid: int
+    dp: int
+    pp: int
+    tp: int
+    device: str
+    num_blocks: int            # blocks its --kv-cache-memory budget holds
+    block_size: int
+    weight_bytes: int
+    kv_bytes_per_block: int
+    rss_bytes: int
+    load_seconds: float
+
+
+class InitializeCache(msgspec.Struct, tag="init_cache"):
+    """Allocate this many KV blocks: the smallest any worker of the group can hold."""
+
+    num_blocks: int
+
+
+class CacheReady(msgspec.Struct, tag="cache_ready"):
+    name: str
+    num_blocks: int
+    kv_cache_bytes: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class WorkerFailed(msgspec.Struct, tag="failed"):
+    """A worker could not do what it was asked; it exits after sending this."""
+
+    name: str
+    error: str
+
+
+ToWorker = InitializeCache | SchedulerOutput | Shutdown
+FromWorker = WorkerReady | CacheReady | ModelRunnerOutput | WorkerFailed
+
+encoder = msgspec.msgpack.Encoder()
+to_worker = msgspec.msgpack.Decoder(ToWorker)
+from_worker = msgspec.msgpack.Decoder(FromWorker)

@@ -1,0 +1,141 @@
+"""Turn one SchedulerOutput into a forward pass over this rank's shard, and sample.
+
+The runner keeps what each request's tokens and blocks are (from NewRequest,
+then CachedRequest deltas), so every TP and PP rank builds the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed import ParallelGroups
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.llama import LlamaForCausalLM
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler, SamplingMetadata, exponential_noise, make_generator
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+
+@dataclass
+class RequestState:
+    """What this rank knows of one running request."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    """Runs steps of one model shard over its paged KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, groups: ParallelGroups, block_size: int,
+                 eos_token_id: int | None):
+        self.model, self.groups = model, groups
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.device = groups.device
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        """One key and one value cache per layer of this stage; returns their bytes."""
+        self.kv_caches = allocate_kv_caches(self.model.config, self.groups, num_blocks, self.block_size,
+                                            self.model.dtype)
+        self.requests.clear()
+        return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+
+    # request state
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            generator = make_generator(new.sampling.seed, self.device)
+            if generator is not None and self.groups.is_driver:
+                # a resumed request continues its random stream where it stopped
+                for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                    exponential_noise(torch.empty(1, self.model.config.vocab_size, device=self.device), [generator])
+            self.requests[new.req_id] = RequestState(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids),
+                new.num_computed_tokens, generator)
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.token_ids += cached.new_token_ids
+            state.block_ids += cached.new_block_ids
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # the step
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Only the sampling rank returns the sampled tokens."""
+        self.update_states(out)
+        if not out.num_scheduled_tokens:
+            return ModelRunnerOutput(step_id=out.step_id) if self.groups.is_driver else None
+        req_ids = list(out.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        counts = [out.num_scheduled_tokens[r] for r in req_ids]
+        input_ids, positions = [], []
+        for state, n in zip(states, counts):
+            start = state.num_computed_tokens
+            if start + n > len(state.token_ids):
+                raise ValueError(f"step {out.step_id} schedules {n} tokens from {start} but the request "
+                                 f"has only {len(state.token_ids)}")
+            input_ids += state.token_ids[start:start + n]
+            positions += range(start, start + n)
+        metadata = AttentionMetadata.build([s.num_computed_tokens for s in states], counts,
+                                           [s.block_ids for s in states], self.block_size, self.device)
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+
+        intermediate = None
+        if not self.groups.is_first_stage:
+            intermediate = self.groups.recv_intermediate(len(input_ids), self.model.config.hidden_size,
+                                                         self.model.dtype)
+        hidden = self.model(input_ids_t, positions_t, self.kv_caches, metadata, intermediate)
+        for state, n in zip(states, counts):
+            state.num_computed_tokens += n
+        if not self.groups.is_last_stage:
+            self.groups.send_intermediate(hidden)
+            return None
+
+        # only rows that reached the end of their known tokens sample
+        sampling = [i for i, s in enumerate(states) if s.num_computed_tokens == len(s.token_ids)]
+        last_rows = metadata.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last_rows[sampling]]) if sampling else None
+        if not self.groups.is_driver:
+            return None
+        if not sampling:
+            return ModelRunnerOutput(step_id=out.step_id)
+        return self._sample(out.step_id, [req_ids[i] for i in sampling], [states[i] for i in sampling], logits)
+
+    def _sample(self, step_id: int, req_ids: list[str], states: list[RequestState],
+                logits: torch.Tensor) -> ModelRunnerOutput:
+        metadata = SamplingMetadata.from_params(
+            [s.sampling for s in states], [s.output_token_ids for s in states], [s.generator for s in states],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
+            eos_token_id=self.eos_token_id, device=self.device)
+        result = self.sampler(logits.float(), metadata)
+        logprobs: list[TokenLogprobs | None] = []
+        for i, state in enumerate(states):
+            n = state.sampling.logprobs
+            if n is None or result.sampled_logprobs is None:
+                logprobs.append(None)
+                continue
+            logprobs.append(TokenLogprobs(
+                logprob=float(result.sampled_logprobs[i]),
+                top_ids=result.top_token_ids[i, :n].tolist() if n else [],
+                top_logprobs=result.top_logprobs[i, :n].tolist() if n else []))
+        return ModelRunnerOutput(step_id=step_id, req_ids=req_ids,
+                                 sampled_token_ids=result.sampled_token_ids.tolist(),
+                                 logprobs=logprobs if any(lp is not None for lp in logprobs) else [])

@@ -1,0 +1,146 @@
+"""`Worker`: one device's share of the model, in whatever process holds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.distributed import ParallelGroups
+from engine.model.attention import kv_cache_block_bytes
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.messages import WorkerReady
+from engine.worker.model_runner import ModelRunner
+
+log = structlog.get_logger("worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker needs: the model, its place in the group, its budget."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+    kv_cache_bytes: int = 2**30
+    block_size: int = 16
+    dist_init_method: str | None = None  # tcp://host:port or file:///path, unique per deployment
+    num_threads: int | None = None
+    name: str = "worker"
+
+    @property
+    def rank(self) -> int:
+        """Rank inside the worker group (stage-major, as engine.distributed numbers it)."""
+        return self.pp_rank * self.tensor_parallel_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def resolve_dtype(dtype: str, device: str) -> str | None:
+    """auto: the checkpoint's own dtype on CUDA, float32 on the CPU (as `vsup plan` assumes)."""
+    if dtype == "auto":
+        return None if device.startswith("cuda") else "float32"
+    return dtype
+
+
+class Worker:
+    """Init the group, load the shard, size and allocate the KV cache, execute steps.
+
+    Call in order: `init_device`, `load_model`, `ready_report` (how many blocks
+    the budget holds), `initialize_cache(num_blocks)` with the group's
+    minimum, then `execute` for every step.
+    """
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.groups: ParallelGroups | None = None
+        self.runner: ModelRunner | None = None
+        self.load_seconds = 0.0
+
+    def init_device(self) -> None:
+        cfg = self.config
+        if cfg.device == "cpu" and cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.world_size > 1 and not cfg.dist_init_method:
+            raise ValueError("a worker group of more than one rank needs a dist_init_method")
+        self.groups = ParallelGroups.init(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.rank,
+                                          cfg.dist_init_method or "", device=cfg.device)
+
+    def load_model(self) -> None:
+        start = time.monotonic()
+        cfg = self.config
+        model_config = ModelConfig.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype, cfg.device))
+        model = load_model(cfg.model, self.groups, config=model_config)
+        self.runner = ModelRunner(model, self.groups, cfg.block_size, _eos_token_id(cfg.model))
+        self.load_seconds = time.monotonic() - start
+        log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}",
+                 weight_bytes=self.weight_bytes, seconds=round(self.load_seconds, 2))
+
+    @property
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.runner.model.parameters():
+            if id(p) not in seen:  # a tied head shares the embedding's tensor
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        model = self.runner.model
+        return kv_cache_block_bytes(model.config, self.groups, self.config.block_size, model.dtype)
+
+    def ready_report(self) -> WorkerReady:
+        """What the engine core needs to size the group's cache: this worker's block count and memory."""
+        import psutil
+
+        cfg = self.config
+        num_blocks = cfg.kv_cache_bytes // self.kv_bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-memory {cfg.kv_cache_bytes} bytes holds no block of "
+                             f"{self.kv_bytes_per_block} bytes; raise it")
+        return WorkerReady(name=cfg.name, pid=os.getpid(), dp=cfg.dp_rank, pp=cfg.pp_rank, tp=cfg.tp_rank,
+                           device=cfg.device, num_blocks=num_blocks, block_size=cfg.block_size,
+                           weight_bytes=self.weight_bytes, kv_bytes_per_block=self.kv_bytes_per_block,
+                           rss_bytes=psutil.Process().memory_info().rss, load_seconds=round(self.load_seconds, 3))
+
+    def initialize_cache(self, num_blocks: int) -> int:
+        """Allocate `num_blocks` KV blocks on every layer of this stage; returns the bytes."""
+        nbytes = self.runner.allocate_cache(num_blocks)
+        log.info("kv cache allocated", num_blocks=num_blocks, kv_cache_bytes=nbytes)
+        return nbytes
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; the sampling rank (last stage, TP rank 0) returns the sampled tokens."""
+        return self.runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.groups is not None:
+            self.groups.destroy()
+
+
+def _eos_token_id(model_dir: str) -> int | None:
+    """The EOS id from generation_config.json, else config.json (the first, when a list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    return None

@@ -1,0 +1,111 @@
+"""`WorkerProc`: a Worker as its own process, the one `vsup serve` starts.
+
+    python -m engine.worker --model DIR --dp-rank 0 --pp-rank 0 --tp-rank 1 \
+        --tensor-parallel-size 2 --core-address ipc://RUN_DIR/dp0-workers.sock \
+        --dist-init-method file://RUN_DIR/dp0-dist ...
+
+It sets its title, logs JSON lines with its role and ranks, loads its
+shard, reports READY with its memory figures to its engine core, then
+serves the core's messages until told to shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import msgspec
+import zmq
+
+from engine.log import configure
+from engine.process import become
+from engine.scheduler_output import SchedulerOutput
+from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, WorkerFailed, encoder,
+                                    to_worker)
+from engine.worker.worker import Worker, WorkerConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine.worker", description="One worker of a vsup tree.")
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--pp-rank", type=int, default=0)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--kv-cache-bytes", type=int, default=2**30, help="KV cache budget of this worker")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--core-address", required=True, help="the engine core's worker socket (ipc:// or tcp://)")
+    p.add_argument("--dist-init-method", default=None, help="torch.distributed rendezvous, unique per deployment")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: cores / workers)")
+    args, _unknown = p.parse_known_args(argv)  # flags meant for other roles pass through untouched
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    default_name = f"worker dp{args.dp_rank} pp{args.pp_rank} tp{args.tp_rank}"
+    name = become(default_name)
+    log = configure("worker", dp=args.dp_rank, pp=args.pp_rank, tp=args.tp_rank)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    threads = args.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world)
+    config = WorkerConfig(
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, tp_rank=args.tp_rank, pp_rank=args.pp_rank,
+        dp_rank=args.dp_rank, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size, dist_init_method=args.dist_init_method, num_threads=threads, name=name)
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, name.encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(args.core_address)
+    worker = Worker(config)
+    try:
+        log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None)
+        worker.init_device()
+        worker.load_model()
+        ready = worker.ready_report()
+        sock.send(encoder.encode(ready))
+        log.info("ready", num_blocks=ready.num_blocks, weight_bytes=ready.weight_bytes,
+                 kv_bytes_per_block=ready.kv_bytes_per_block, rss_bytes=ready.rss_bytes)
+        serve(worker, sock, log)
+        return 0
+    except Exception as e:
+        log.exception("worker failed")
+        sock.send(encoder.encode(WorkerFailed(name=name, error=f"{type(e).__name__}: {e}")))
+        return 1
+    finally:
+        worker.shutdown()
+        sock.close()
+        ctx.term()
+
+
+def serve(worker: Worker, sock: zmq.Socket, log) -> None:
+    """Answer the engine core's messages until Shutdown. A malformed message is logged and dropped."""
+    while True:
+        raw = sock.recv()
+        try:
+            msg = to_worker.decode(raw)
+        except msgspec.DecodeError as e:
+            log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
+            continue
+        if isinstance(msg, SchedulerOutput):
+            result = worker.execute(msg)
+            if result is not None:
+                sock.send(encoder.encode(result))
+        elif isinstance(msg, InitializeCache):
+            nbytes = worker.initialize_cache(msg.num_blocks)
+            sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks,
+                                                kv_cache_bytes=nbytes)))
+        elif isinstance(msg, Shutdown):
+            log.info("shutting down")
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

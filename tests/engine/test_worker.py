@@ -1,0 +1,181 @@
+"""Worker and WorkerProc: real shards, real processes, real sockets; greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
+from engine.sampling.params import SamplingParams
+from engine.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
+from engine.worker.worker import Worker, WorkerConfig
+
+BLOCK = 4
+PROMPTS = {"a": [5, 17, 42, 99, 3, 250, 7], "b": [11, 12, 13]}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+def greedy_reference(model_dir, prompt, n):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def drive(execute, prompts: dict[str, list[int]], num_tokens: int, chunk: int = 4) -> dict[str, list[int]]:
+    """Play the engine core: chunked prefill (at most `chunk` prompt tokens a step) mixed with
+    decodes, each request in its own blocks; returns the sampled tokens per request."""
+    tokens = {r: list(p) for r, p in prompts.items()}
+    blocks, next_block = {}, 1
+    for r, p in prompts.items():
+        n = -(-(len(p) + num_tokens) // BLOCK)
+        blocks[r], next_block = list(range(next_block, next_block + n)), next_block + n
+    computed = dict.fromkeys(prompts, 0)
+    known: set[str] = set()
+    pending: dict[str, list[int]] = {r: [] for r in prompts}
+    outputs = {r: [] for r in prompts}
+    step = 0
+    while any(len(o) < num_tokens for o in outputs.values()):
+        new, cached, scheduled = [], [], {}
+        for r in prompts:
+            if len(outputs[r]) >= num_tokens:
+                continue
+            n = min(chunk, len(tokens[r]) - computed[r])
+            if r not in known:
+                new.append(NewRequest(r, tokens[r], len(prompts[r]), GREEDY, blocks[r], 0))
+                known.add(r)
+            else:
+                cached.append(CachedRequest(r, computed[r], pending[r]))
+            pending[r] = []
+            scheduled[r] = n
+        result = execute(SchedulerOutput(step_id=step, new_requests=new, cached_requests=cached,
+                                         num_scheduled_tokens=scheduled))
+        for r, n in scheduled.items():
+            computed[r] += n
+        for r, t in zip(result.req_ids, result.sampled_token_ids):
+            assert computed[r] == len(tokens[r]), "only a request at the end of its tokens samples"
+            tokens[r].append(t)
+            outputs[r].append(t)
+            pending[r].append(t)
+        step += 1
+    return outputs
+
+
+def test_in_process_worker_greedy_equals_transformers(tiny_model):
+    model_dir = tiny_model("llama")
+    worker = Worker(WorkerConfig(model=str(model_dir), kv_cache_bytes=1 << 20, block_size=BLOCK))
+    worker.init_device()
+    worker.load_model()
+    ready = worker.ready_report()
+    per_block = 2 * 4 * 2 * 16 * 4 * BLOCK  # K,V x 4 layers x 2 KV heads x head_dim 16 x float32 x block
+    assert ready.kv_bytes_per_block == per_block and ready.num_blocks == (1 << 20) // per_block
+    worker.initialize_cache(64)
+    outputs = drive(worker.execute, PROMPTS, 6)
+    for r, prompt in PROMPTS.items():
+        assert outputs[r] == greedy_reference(model_dir, prompt, 6)
+
+
+def spawn_group(tmp_path, model_dir, tp, pp):
+    procs = []
+    for rank in range(tp * pp):
+        argv = [sys.executable, "-m", "engine.worker", "--model", str(model_dir), "--dp-rank", "0",
+                "--pp-rank", str(rank // tp), "--tp-rank", str(rank % tp), "--tensor-parallel-size", str(tp),
+                "--pipeline-parallel-size", str(pp), "--kv-cache-bytes", str(1 << 20), "--block-size", str(BLOCK),
+                "--core-address", f"ipc://{tmp_path}/w.sock", "--dist-init-method", f"file://{tmp_path}/dist",
+                "--num-threads", "1"]
+        env = {**os.environ, "VSUP_PROCESS_NAME": f"worker dp0 pp{rank // tp} tp{rank % tp}",
+               "VSUP_PROCESS_TITLE": f"vsup::worker_dp0_pp{rank // tp}_tp{rank % tp}"}
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+    return procs
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+    return [p.stdout.read().decode() for p in procs]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp):
+    model_dir = tiny_model("llama_tied")
+    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", tp * pp, pp)
+    procs = spawn_group(tmp_path, model_dir, tp, pp)
+    try:
+        ready = group.wait_for_ready(timeout_s=120)
+        titles = {" ".join(psutil.Process(p.pid).cmdline()).strip() for p in procs}
+        assert titles == {f"vsup::worker_dp0_pp{r // tp}_tp{r % tp}" for r in range(tp * pp)}
+        assert len({w.name for w in ready}) == tp * pp
+        assert all(w.weight_bytes > 0 and w.rss_bytes > 0 for w in ready)
+        assert group.initialize_cache() == min(w.num_blocks for w in ready)
+        outputs = drive(lambda out: group.execute(out, timeout_s=60), PROMPTS, 5)
+        for r, prompt in PROMPTS.items():
+            assert outputs[r] == greedy_reference(model_dir, prompt, 5)
+        group.shutdown()
+        assert [p.wait(timeout=30) for p in procs] == [0] * (tp * pp)
+    finally:
+        logs = stop(procs)
+    for rank, out in enumerate(logs):
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert {"starting", "model loaded", "ready"} <= {line["event"] for line in lines}
+        assert all(line["role"] == "worker" and (line["pp"], line["tp"]) == (rank // tp, rank % tp) for line in lines)
+
+
+def test_tp_shards_hold_half_the_weights(tmp_path, tiny_model):
+    model_dir = tiny_model("llama")
+    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 2)
+    procs = spawn_group(tmp_path, model_dir, 2, 1)
+    try:
+        ready = group.wait_for_ready(timeout_s=120)
+        group.shutdown()
+    finally:
+        stop(procs)
+    single = Worker(WorkerConfig(model=str(model_dir)))
+    single.init_device()
+    single.load_model()
+    # everything but the replicated norms is split in two
+    norms = (2 * 4 + 1) * 64 * 4
+    assert all(w.weight_bytes == (single.weight_bytes - norms) // 2 + norms for w in ready)
+
+
+def test_failed_worker_reports_instead_of_hanging(tmp_path, tiny_model):
+    model_dir = tiny_model("llama")
+    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 1)
+    argv = [sys.executable, "-m", "engine.worker", "--model", str(model_dir), "--kv-cache-bytes", "10",
+            "--core-address", f"ipc://{tmp_path}/w.sock"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with pytest.raises(WorkerGroupFailed, match="holds no block"):
+            group.wait_for_ready(timeout_s=120)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        stop([proc])
+        group.shutdown()
+
+
+def test_malformed_message_is_dropped_and_logged(tmp_path, tiny_model):
+    model_dir = tiny_model("llama")
+    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 1)
+    procs = spawn_group(tmp_path, model_dir, 1, 1)
+    try:
+        group.wait_for_ready(timeout_s=120)
+        identity = next(iter(group.workers))
+        group.sock.send_multipart([identity, b"\xc1 not msgpack"])
+        group.initialize_cache(32)
+        out = drive(lambda o: group.execute(o, timeout_s=60), {"b": PROMPTS["b"]}, 2)
+        assert len(out["b"]) == 2  # still serving
+        group.shutdown()
+        assert procs[0].wait(timeout=30) == 0
+    finally:
+        logs = stop(procs)
+    events = [json.loads(line)["event"] for line in logs[0].splitlines()]
+    assert "dropped malformed message" in events
