@@ -30,13 +30,14 @@ def greedy_reference(model_dir, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def drive(execute, prompts: dict[str, list[int]], num_tokens: int, chunk: int = 4) -> dict[str, list[int]]:
+def drive(execute, prompts: dict[str, list[int]], num_tokens: int, chunk: int = 4,
+          block_size: int = BLOCK) -> dict[str, list[int]]:
     """Play the engine core: chunked prefill (at most `chunk` prompt tokens a step) mixed with
     decodes, each request in its own blocks; returns the sampled tokens per request."""
     tokens = {r: list(p) for r, p in prompts.items()}
     blocks, next_block = {}, 1
     for r, p in prompts.items():
-        n = -(-(len(p) + num_tokens) // BLOCK)
+        n = -(-(len(p) + num_tokens) // block_size)
         blocks[r], next_block = list(range(next_block, next_block + n)), next_block + n
     computed = dict.fromkeys(prompts, 0)
     known: set[str] = set()
@@ -179,3 +180,22 @@ def test_malformed_message_is_dropped_and_logged(tmp_path, tiny_model):
         logs = stop(procs)
     events = [json.loads(line)["event"] for line in logs[0].splitlines()]
     assert "dropped malformed message" in events
+
+
+def test_default_model_answers_paris():
+    """DESIGN.md section 6: greedy on the default model says where the capital of France is."""
+    from transformers import AutoTokenizer
+
+    from engine.model.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    worker = Worker(WorkerConfig(model=str(model_dir), kv_cache_bytes=64 << 20, block_size=16))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_cache(worker.ready_report().num_blocks)
+    tokens = drive(worker.execute, {"q": prompt}, 9, chunk=64, block_size=16)["q"]
+    assert tokenizer.decode(tokens, skip_special_tokens=True).startswith("The capital of France is Paris.")
