@@ -1,9 +1,9 @@
-"""The engine core's end of its workers: one ROUTER socket, one DEALER per worker.
+"""The engine core's end of its workers: a ROUTER socket and a shared-memory ring.
 
 Someone else starts the worker processes (the supervisor, or a test); the
-group only binds the address they connect to, waits for every READY, sizes
-the KV cache to the smallest budget, then sends each step to every rank and
-takes the sampled tokens from the sampling rank.
+group binds the address they connect to, waits for every READY, sizes the
+KV cache to the smallest budget, then writes each step once into the ring
+that every rank reads, and takes the sampled tokens from the sampling rank.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import msgspec
 import structlog
 import zmq
 
+from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastWriter
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, WorkerFailed, WorkerReady,
                                     encoder, from_worker)
@@ -22,16 +23,20 @@ log = structlog.get_logger("engine-core")
 
 
 class WorkerGroupFailed(RuntimeError):
-    """A worker reported a failure, or the group did not answer in time."""
+    """A worker reported a failure, died, or the group did not answer in time."""
+
+
+class StepInterrupted(RuntimeError):
+    """A message arrived on the interrupt socket while waiting for the workers."""
 
 
 class WorkerGroup:
     """Talks to the TP x PP workers of one engine core."""
 
-    def __init__(self, address: str, world_size: int, pipeline_parallel_size: int = 1,
+    def __init__(self, address: str, world_size: int, *, ring_prefix: str, wakeup_address: str,
                  ctx: zmq.Context | None = None):
         self.world_size = world_size
-        self.last_stage = pipeline_parallel_size - 1
+        self.ring_prefix, self.wakeup_address = ring_prefix, wakeup_address
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -39,13 +44,21 @@ class WorkerGroup:
         self.sock.bind(address)
         self.address = address
         self.workers: dict[bytes, WorkerReady] = {}
+        self.ring: ShmBroadcastWriter | None = None
 
-    def _recv(self, timeout_s: float | None) -> tuple[bytes, object]:
+    def _recv(self, timeout_s: float | None, interrupt: zmq.Socket | None = None) -> tuple[bytes, object]:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if interrupt is not None:
+            poller.register(interrupt, zmq.POLLIN)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = None if deadline is None else max(0, deadline - time.monotonic()) * 1000
-            if not self.sock.poll(wait):
+            ready = dict(poller.poll(wait))
+            if not ready:
                 raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
+            if interrupt is not None and interrupt in ready:
+                raise StepInterrupted()
             identity, raw = self.sock.recv_multipart()
             try:
                 msg = from_worker.decode(raw)
@@ -56,11 +69,11 @@ class WorkerGroup:
                 raise WorkerGroupFailed(f"{msg.name}: {msg.error}")
             return identity, msg
 
-    def wait_for_ready(self, timeout_s: float = 300.0) -> list[WorkerReady]:
+    def wait_for_ready(self, timeout_s: float = 300.0, interrupt: zmq.Socket | None = None) -> list[WorkerReady]:
         """Block until all ranks said READY; raises WorkerGroupFailed on a failure or timeout."""
         deadline = time.monotonic() + timeout_s
         while len(self.workers) < self.world_size:
-            identity, msg = self._recv(max(0.0, deadline - time.monotonic()))
+            identity, msg = self._recv(max(0.0, deadline - time.monotonic()), interrupt)
             if isinstance(msg, WorkerReady):
                 self.workers[identity] = msg
                 log.info("worker ready", worker=msg.name, num_blocks=msg.num_blocks, weight_bytes=msg.weight_bytes)
@@ -71,33 +84,46 @@ class WorkerGroup:
         """Blocks every worker of the group can hold: the smallest budget wins."""
         return min(w.num_blocks for w in self.workers.values())
 
-    def _broadcast(self, msg) -> None:
-        payload = encoder.encode(msg)
+    def initialize_cache(self, num_blocks: int | None = None, timeout_s: float = 120.0) -> int:
+        """Have every worker allocate the same number of blocks and attach to a new ring; returns the blocks."""
+        num_blocks = num_blocks or self.num_blocks
+        self.ring = ShmBroadcastWriter.create(self.ring_prefix, self.world_size, self.wakeup_address)
+        payload = encoder.encode(InitializeCache(num_blocks=num_blocks, ring_name=self.ring.name,
+                                                 wakeup_address=self.wakeup_address))
         for identity in self.workers:
             self.sock.send_multipart([identity, payload])
-
-    def initialize_cache(self, num_blocks: int | None = None, timeout_s: float = 120.0) -> int:
-        """Have every worker allocate the same number of blocks; returns it."""
-        num_blocks = num_blocks or self.num_blocks
-        self._broadcast(InitializeCache(num_blocks=num_blocks))
         done = 0
         while done < self.world_size:
             _, msg = self._recv(timeout_s)
             done += isinstance(msg, CacheReady)
+        self.ring.wait_for_readers(timeout_s)
+        self.ring.unlink()  # every reader holds its mapping: nothing stays in /dev/shm after we all exit
         return num_blocks
 
-    def execute(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None) -> ModelRunnerOutput:
-        """Send one step to every rank and return what the sampling rank sampled."""
-        self._broadcast(scheduler_output)
+    def execute(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None,
+                interrupt: zmq.Socket | None = None) -> ModelRunnerOutput:
+        """Send one step to every rank and return what the sampling rank sampled.
+
+        Raises StepInterrupted when `interrupt` becomes readable first (the
+        caller handles that message), WorkerGroupFailed when a worker fails.
+        """
+        try:
+            self.ring.enqueue(encoder.encode(scheduler_output), timeout=timeout_s)
+        except (PeerDied, RingClosed, TimeoutError) as e:
+            raise WorkerGroupFailed(f"the worker group stopped reading: {e}") from e
         while True:
-            _, msg = self._recv(timeout_s)
+            _, msg = self._recv(timeout_s, interrupt)
             if isinstance(msg, ModelRunnerOutput) and msg.step_id == scheduler_output.step_id:
                 return msg
 
-    def shutdown(self) -> None:
-        """Ask every worker to exit, then close the socket."""
-        try:
-            self._broadcast(Shutdown())
-        except zmq.ZMQError:
-            pass  # a worker that is already gone needs no telling
+    def close(self, shutdown_workers: bool = True) -> None:
+        """Ask the workers to exit (when they can still hear it), then close the ring and the socket."""
+        if self.ring is not None:
+            if shutdown_workers:
+                try:
+                    self.ring.enqueue(encoder.encode(Shutdown()), timeout=1.0)
+                except (PeerDied, RingClosed, TimeoutError):
+                    pass  # a worker that is already gone needs no telling
+            self.ring.close()
+            self.ring = None
         self.sock.close()

@@ -1,8 +1,9 @@
 """Messages between an engine core and its workers, besides the step itself.
 
 Each worker holds one DEALER socket to its engine core's ROUTER: the core
-sends control messages and each step's SchedulerOutput down it, the worker
-sends READY, failures and (from the sampling rank) sampled tokens back.
+sends InitializeCache down it, the worker sends READY, failures and (from
+the sampling rank) sampled tokens back. Steps and Shutdown then come through
+the shared-memory ring that InitializeCache names (engine.executor.shm_broadcast).
 msgpack through msgspec, tagged, never pickle.
 """
 
@@ -31,9 +32,12 @@ class WorkerReady(msgspec.Struct, tag="ready"):
 
 
 class InitializeCache(msgspec.Struct, tag="init_cache"):
-    """Allocate this many KV blocks: the smallest any worker of the group can hold."""
+    """Allocate this many KV blocks (the smallest any worker of the group can hold),
+    then read every step from the shared-memory ring `ring_name`."""
 
     num_blocks: int
+    ring_name: str
+    wakeup_address: str
 
 
 class CacheReady(msgspec.Struct, tag="cache_ready"):
@@ -54,8 +58,10 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
 
 
 ToWorker = InitializeCache | SchedulerOutput | Shutdown
+Step = SchedulerOutput | Shutdown
 FromWorker = WorkerReady | CacheReady | ModelRunnerOutput | WorkerFailed
 
 encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)
+from_ring = msgspec.msgpack.Decoder(Step)
 from_worker = msgspec.msgpack.Decoder(FromWorker)

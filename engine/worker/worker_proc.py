@@ -20,9 +20,8 @@ import zmq
 
 from engine.log import configure
 from engine.process import become
-from engine.scheduler_output import SchedulerOutput
-from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, WorkerFailed, encoder,
-                                    to_worker)
+from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
+from engine.worker.messages import CacheReady, InitializeCache, Shutdown, WorkerFailed, encoder, from_ring, to_worker
 from engine.worker.worker import Worker, WorkerConfig
 
 
@@ -86,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(worker: Worker, sock: zmq.Socket, log) -> None:
-    """Answer the engine core's messages until Shutdown. A malformed message is logged and dropped."""
+    """Allocate the cache when the core says how big, then run the steps it writes into
+    the ring until Shutdown. A malformed message is logged and dropped."""
     while True:
         raw = sock.recv()
         try:
@@ -94,17 +94,32 @@ def serve(worker: Worker, sock: zmq.Socket, log) -> None:
         except msgspec.DecodeError as e:
             log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
             continue
-        if isinstance(msg, SchedulerOutput):
-            result = worker.execute(msg)
+        if isinstance(msg, InitializeCache):
+            break
+        log.warning("dropped unexpected message before InitializeCache", kind=type(msg).__name__)
+    nbytes = worker.initialize_cache(msg.num_blocks)
+    ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
+    sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes)))
+    try:
+        while True:
+            try:
+                raw = ring.dequeue()
+            except (PeerDied, RingClosed):
+                log.warning("engine core is gone; exiting")
+                return
+            try:
+                step = from_ring.decode(raw)
+            except msgspec.DecodeError as e:
+                log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
+                continue
+            if isinstance(step, Shutdown):
+                log.info("shutting down")
+                return
+            result = worker.execute(step)
             if result is not None:
                 sock.send(encoder.encode(result))
-        elif isinstance(msg, InitializeCache):
-            nbytes = worker.initialize_cache(msg.num_blocks)
-            sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks,
-                                                kv_cache_bytes=nbytes)))
-        elif isinstance(msg, Shutdown):
-            log.info("shutting down")
-            return
+    finally:
+        ring.close()
 
 
 if __name__ == "__main__":

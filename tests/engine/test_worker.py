@@ -84,6 +84,11 @@ def test_in_process_worker_greedy_equals_transformers(tiny_model):
         assert outputs[r] == greedy_reference(model_dir, prompt, 6)
 
 
+def make_group(tmp_path, world_size):
+    return WorkerGroup(f"ipc://{tmp_path}/w.sock", world_size, ring_prefix=f"vsup-test-{tmp_path.name}",
+                       wakeup_address=f"ipc://{tmp_path}/wakeup.sock")
+
+
 def spawn_group(tmp_path, model_dir, tp, pp):
     procs = []
     for rank in range(tp * pp):
@@ -109,7 +114,7 @@ def stop(procs):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp):
     model_dir = tiny_model("llama_tied")
-    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", tp * pp, pp)
+    group = make_group(tmp_path, tp * pp)
     procs = spawn_group(tmp_path, model_dir, tp, pp)
     try:
         ready = group.wait_for_ready(timeout_s=120)
@@ -121,7 +126,7 @@ def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp)
         outputs = drive(lambda out: group.execute(out, timeout_s=60), PROMPTS, 5)
         for r, prompt in PROMPTS.items():
             assert outputs[r] == greedy_reference(model_dir, prompt, 5)
-        group.shutdown()
+        group.close()
         assert [p.wait(timeout=30) for p in procs] == [0] * (tp * pp)
     finally:
         logs = stop(procs)
@@ -133,11 +138,11 @@ def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp)
 
 def test_tp_shards_hold_half_the_weights(tmp_path, tiny_model):
     model_dir = tiny_model("llama")
-    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 2)
+    group = make_group(tmp_path, 2)
     procs = spawn_group(tmp_path, model_dir, 2, 1)
     try:
         ready = group.wait_for_ready(timeout_s=120)
-        group.shutdown()
+        group.close()
     finally:
         stop(procs)
     single = Worker(WorkerConfig(model=str(model_dir)))
@@ -150,7 +155,7 @@ def test_tp_shards_hold_half_the_weights(tmp_path, tiny_model):
 
 def test_failed_worker_reports_instead_of_hanging(tmp_path, tiny_model):
     model_dir = tiny_model("llama")
-    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 1)
+    group = make_group(tmp_path, 1)
     argv = [sys.executable, "-m", "engine.worker", "--model", str(model_dir), "--kv-cache-bytes", "10",
             "--core-address", f"ipc://{tmp_path}/w.sock"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -160,26 +165,27 @@ def test_failed_worker_reports_instead_of_hanging(tmp_path, tiny_model):
         assert proc.wait(timeout=30) == 1
     finally:
         stop([proc])
-        group.shutdown()
+        group.close()
 
 
 def test_malformed_message_is_dropped_and_logged(tmp_path, tiny_model):
     model_dir = tiny_model("llama")
-    group = WorkerGroup(f"ipc://{tmp_path}/w.sock", 1)
+    group = make_group(tmp_path, 1)
     procs = spawn_group(tmp_path, model_dir, 1, 1)
     try:
         group.wait_for_ready(timeout_s=120)
         identity = next(iter(group.workers))
         group.sock.send_multipart([identity, b"\xc1 not msgpack"])
         group.initialize_cache(32)
+        group.ring.enqueue(b"\xc1 not msgpack either")
         out = drive(lambda o: group.execute(o, timeout_s=60), {"b": PROMPTS["b"]}, 2)
         assert len(out["b"]) == 2  # still serving
-        group.shutdown()
+        group.close()
         assert procs[0].wait(timeout=30) == 0
     finally:
         logs = stop(procs)
     events = [json.loads(line)["event"] for line in logs[0].splitlines()]
-    assert "dropped malformed message" in events
+    assert events.count("dropped malformed message") == 2  # one on the socket, one in the ring
 
 
 def test_default_model_answers_paris():
