@@ -1,0 +1,119 @@
+"""A request as the scheduler sees it: its tokens, how far its KV is computed, how it ended."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import msgspec
+
+from engine.sampling.params import SamplingParams
+from engine.scheduler_output import TokenLogprobs
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: in the waiting queue, in the running batch, or done."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended: OpenAI's "stop" and "length", vLLM's "abort" and "error"."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step, for the engine core to pass to its API server.
+
+    `new_token_ids` keep a final stop or EOS token: the API server decides
+    whether to show it. `error` says why when finish_reason is "error".
+    """
+
+    req_id: str
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs | None] = []
+    error: str | None = None
+
+
+class Request:
+    """One generation request: prompt plus outputs so far, and the scheduler's view of it.
+
+    `output_token_ids` lets a caller resume a request whose first tokens were
+    already produced elsewhere (an engine core that died); they count toward
+    max_tokens and min_tokens as if generated here.
+    """
+
+    def __init__(self, req_id: str, prompt_token_ids: Sequence[int],
+                 sampling: SamplingParams | None = None,
+                 output_token_ids: Sequence[int] = ()) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt; send at least one token")
+        self.req_id = req_id
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is computed, or scheduled to be this step
+        self.num_sent_tokens = 0      # how many of token_ids the workers hold
+        self.num_preemptions = 0
+        # Content hashes of the full blocks of token_ids, filled by the block
+        # manager; tokens only ever append, so they stay valid across preemption.
+        self.block_hashes: list[bytes] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token; its KV is computed when the request is next scheduled."""
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Mark the request done; the scheduler frees its blocks."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
+
+
+def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
+    """Why `request` must stop after its newest token, or None to go on.
+
+    A stop token or EOS ends it only once it has min_tokens outputs. When the
+    last allowed token is also a stop token, the reason is "stop": the model
+    did stop there.
+    """
+    sampling = request.sampling
+    last = request.token_ids[-1]
+    if request.num_output_tokens >= sampling.min_tokens:
+        if last in sampling.stop_token_ids or (not sampling.ignore_eos and last in eos_token_ids):
+            return FinishReason.STOP
+    if sampling.max_tokens is not None and request.num_output_tokens >= sampling.max_tokens:
+        return FinishReason.LENGTH
+    if request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
