@@ -9,8 +9,10 @@ that every rank reads, and takes the sampled tokens from the sampling rank.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
+import psutil
 import structlog
 import zmq
 
@@ -20,22 +22,23 @@ from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, Worke
                                     encoder, from_worker)
 
 log = structlog.get_logger("engine-core")
+CHECK_S = 0.5  # while waiting, look this often whether every worker still lives
 
 
 class WorkerGroupFailed(RuntimeError):
     """A worker reported a failure, died, or the group did not answer in time."""
 
 
-class StepInterrupted(RuntimeError):
-    """A message arrived on the interrupt socket while waiting for the workers."""
-
-
 class WorkerGroup:
     """Talks to the TP x PP workers of one engine core."""
 
     def __init__(self, address: str, world_size: int, *, ring_prefix: str, wakeup_address: str,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, interrupt: zmq.Socket | None = None,
+                 on_interrupt: Callable[[], None] | None = None):
+        """`on_interrupt` runs whenever `interrupt` is readable while the group waits;
+        it may raise (WorkerGroupFailed, say) to abandon the wait."""
         self.world_size = world_size
+        self.interrupt, self.on_interrupt = interrupt, on_interrupt
         self.ring_prefix, self.wakeup_address = ring_prefix, wakeup_address
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -46,19 +49,22 @@ class WorkerGroup:
         self.workers: dict[bytes, WorkerReady] = {}
         self.ring: ShmBroadcastWriter | None = None
 
-    def _recv(self, timeout_s: float | None, interrupt: zmq.Socket | None = None) -> tuple[bytes, object]:
+    def _recv(self, timeout_s: float | None) -> tuple[bytes, object]:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        if interrupt is not None:
-            poller.register(interrupt, zmq.POLLIN)
+        if self.interrupt is not None:
+            poller.register(self.interrupt, zmq.POLLIN)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait = None if deadline is None else max(0, deadline - time.monotonic()) * 1000
-            ready = dict(poller.poll(wait))
-            if not ready:
-                raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
-            if interrupt is not None and interrupt in ready:
-                raise StepInterrupted()
+            wait = CHECK_S if deadline is None else min(CHECK_S, max(0.0, deadline - time.monotonic()))
+            ready = dict(poller.poll(wait * 1000))
+            if self.interrupt is not None and self.interrupt in ready:
+                self.on_interrupt()
+            if self.sock not in ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
+                self._check_alive()
+                continue
             identity, raw = self.sock.recv_multipart()
             try:
                 msg = from_worker.decode(raw)
@@ -69,11 +75,21 @@ class WorkerGroup:
                 raise WorkerGroupFailed(f"{msg.name}: {msg.error}")
             return identity, msg
 
-    def wait_for_ready(self, timeout_s: float = 300.0, interrupt: zmq.Socket | None = None) -> list[WorkerReady]:
+    def _check_alive(self) -> None:
+        """A worker that died without a word (kill -9) is found by its pid, not by waiting forever."""
+        for ready in self.workers.values():
+            try:
+                dead = psutil.Process(ready.pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                dead = True
+            if dead:
+                raise WorkerGroupFailed(f"{ready.name} (pid {ready.pid}) died")
+
+    def wait_for_ready(self, timeout_s: float = 300.0) -> list[WorkerReady]:
         """Block until all ranks said READY; raises WorkerGroupFailed on a failure or timeout."""
         deadline = time.monotonic() + timeout_s
         while len(self.workers) < self.world_size:
-            identity, msg = self._recv(max(0.0, deadline - time.monotonic()), interrupt)
+            identity, msg = self._recv(max(0.0, deadline - time.monotonic()))
             if isinstance(msg, WorkerReady):
                 self.workers[identity] = msg
                 log.info("worker ready", worker=msg.name, num_blocks=msg.num_blocks, weight_bytes=msg.weight_bytes)
@@ -100,19 +116,17 @@ class WorkerGroup:
         self.ring.unlink()  # every reader holds its mapping: nothing stays in /dev/shm after we all exit
         return num_blocks
 
-    def execute(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None,
-                interrupt: zmq.Socket | None = None) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None) -> ModelRunnerOutput:
         """Send one step to every rank and return what the sampling rank sampled.
 
-        Raises StepInterrupted when `interrupt` becomes readable first (the
-        caller handles that message), WorkerGroupFailed when a worker fails.
+        Raises WorkerGroupFailed when a worker fails or dies.
         """
         try:
             self.ring.enqueue(encoder.encode(scheduler_output), timeout=timeout_s)
         except (PeerDied, RingClosed, TimeoutError) as e:
             raise WorkerGroupFailed(f"the worker group stopped reading: {e}") from e
         while True:
-            _, msg = self._recv(timeout_s, interrupt)
+            _, msg = self._recv(timeout_s)
             if isinstance(msg, ModelRunnerOutput) and msg.step_id == scheduler_output.step_id:
                 return msg
 

@@ -166,3 +166,14 @@ def _rope_scaling(spec: dict) -> RopeScaling | None:
     if rope_type == "llama3" and len(extra) < len(keys):
         raise ValueError(f"llama3 rope scaling needs factor and {', '.join(keys)} (got {sorted(spec)})")
     return RopeScaling(rope_type=rope_type, factor=float(spec["factor"]), **extra)
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The model's end-of-sequence ids: generation_config.json's, else config.json's (one or several)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+    return []

@@ -38,10 +38,10 @@ class ModelRunner:
     """Runs steps of one model shard over its paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, groups: ParallelGroups, block_size: int,
-                 eos_token_id: int | None):
+                 eos_token_ids: list[int]):
         self.model, self.groups = model, groups
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # what min_tokens holds back
         self.device = groups.device
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}

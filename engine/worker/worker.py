@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import torch
 
 from engine.distributed import ParallelGroups
 from engine.model.attention import kv_cache_block_bytes
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, eos_token_ids
 from engine.model.loader import load_model
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.messages import WorkerReady
@@ -85,7 +83,7 @@ class Worker:
         cfg = self.config
         model_config = ModelConfig.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype, cfg.device))
         model = load_model(cfg.model, self.groups, config=model_config)
-        self.runner = ModelRunner(model, self.groups, cfg.block_size, _eos_token_id(cfg.model))
+        self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model))
         self.load_seconds = time.monotonic() - start
         log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}",
                  weight_bytes=self.weight_bytes, seconds=round(self.load_seconds, 2))
@@ -131,16 +129,3 @@ class Worker:
     def shutdown(self) -> None:
         if self.groups is not None:
             self.groups.destroy()
-
-
-def _eos_token_id(model_dir: str) -> int | None:
-    """The EOS id from generation_config.json, else config.json (the first, when a list)."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-    return None

@@ -1,0 +1,5 @@
+import sys
+
+from engine.core.engine_core_proc import main
+
+sys.exit(main())

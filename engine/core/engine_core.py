@@ -1,0 +1,85 @@
+"""`EngineCore`: the scheduler and the step loop of one DP rank, in whatever process holds it.
+
+`EngineCoreProc` wraps it as its own process with sockets; in-process mode
+(VSUP_ENABLE_MULTIPROCESSING=0) calls it directly, step by step.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from engine.core.request import FinishReason, Request, RequestUpdate
+from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.scheduler_config import SchedulerConfig
+from engine.executor.executor import Executor
+from engine.protocol import AddRequest
+from engine.scheduler_output import ModelRunnerOutput
+
+log = structlog.get_logger("engine-core")
+
+
+class EngineCore:
+    """Takes requests, runs steps on its executor, returns what each request gained."""
+
+    def __init__(self, config: SchedulerConfig, executor: Executor | None, vocab_size: int):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(config)
+        self.executor = executor
+        self.num_steps = 0
+
+    # requests
+
+    def add_request(self, add: AddRequest) -> RequestUpdate | None:
+        """Queue a request, or finish it at once with an error that says what is wrong with it.
+
+        No request, however malformed, reaches the workers unchecked: a bad
+        token id would crash the embedding lookup of every rank.
+        """
+        try:
+            add.sampling.validate()
+            bad = [t for t in (*add.prompt_token_ids, *add.output_token_ids) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            return self.scheduler.add(Request(add.req_id, add.prompt_token_ids, add.sampling, add.output_token_ids))
+        except ValueError as e:
+            log.warning("request refused", req_id=add.req_id, error=str(e))
+            return RequestUpdate(add.req_id, finish_reason=FinishReason.ERROR, error=str(e))
+
+    def abort_requests(self, req_ids: list[str]) -> list[RequestUpdate]:
+        return self.scheduler.abort(req_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # the step
+
+    def step(self) -> list[RequestUpdate]:
+        """Schedule, execute, update: one step of continuous batching."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.num_scheduled_tokens:
+            model_output = self.executor.execute(scheduler_output)
+            self.num_steps += 1
+        else:
+            model_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    # losing and regaining the workers
+
+    def lose_workers(self) -> list[RequestUpdate]:
+        """The worker group is gone: every running request goes back to waiting, all KV is dropped."""
+        self.executor = None
+        return self.scheduler.preempt_all()
+
+    def regain_workers(self, executor: Executor) -> list[RequestUpdate]:
+        """A new worker group is ready: size the cache to it and go on; requests that no
+        longer fit finish with an error."""
+        self.executor = executor
+        return self.scheduler.preempt_all(executor.num_blocks)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()

@@ -1,0 +1,274 @@
+"""`EngineCoreProc`: an EngineCore as its own process, the one `vsup serve` starts.
+
+    python -m engine.core --model DIR --dp-rank 0 --api-server-address ipc://RUN/a0-engines.sock \
+        --worker-address ipc://RUN/dp0-workers.sock --control-address ipc://RUN/dp0-control.sock ...
+
+Startup: say Hello to every API server, wait for the worker group's READY,
+size the KV cache, say Ready. Then the busy loop: take requests, step while
+there is work, send outputs; block on the sockets when idle (a Ready
+heartbeat every second tells API servers the core lives). When the worker
+group dies the core requeues its requests and waits for the new group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import msgspec
+import structlog
+import zmq
+
+from engine.core.engine_core import EngineCore
+from engine.core.request import RequestUpdate
+from engine.core.scheduler_config import SchedulerConfig
+from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
+from engine.model.config import ModelConfig, eos_token_ids
+from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, Stop, UtilityCall,
+                             UtilityResult, WorkersLost, control, encoder, to_core)
+
+log = structlog.get_logger("engine-core")
+HEARTBEAT_S = 1.0
+
+
+class CoreFailed(RuntimeError):
+    """The core cannot serve: its workers never came (back)."""
+
+
+class EngineCoreProc:
+    """The sockets and the loop around one EngineCore."""
+
+    def __init__(self, args):
+        self.args = args
+        self.dp_rank = args.dp_rank
+        self.instance = uuid.uuid4().hex
+        self.ctx = zmq.Context()
+        self.clients = []
+        for address in args.api_server_address:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"dp{self.dp_rank}".encode())
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            self.clients.append(sock)
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(args.control_address)
+        self.owner: dict[str, zmq.Socket] = {}  # request id -> the API server that sent it
+        self.model_config = ModelConfig.from_pretrained(args.model)
+        self.core: EngineCore | None = None
+        self.group: WorkerGroup | None = None
+        self.lost_at: float | None = None
+
+    # lifecycle
+
+    def run(self) -> None:
+        self.say(Hello(dp_rank=self.dp_rank, instance=self.instance, pid=os.getpid()))
+        self.group = self.start_group(self.args.startup_timeout)
+        max_model_len = self.args.max_model_len or self.model_config.max_model_len
+        config = SchedulerConfig(
+            num_blocks=self.group.num_blocks, block_size=self.args.block_size, max_model_len=max_model_len,
+            max_num_seqs=self.args.max_num_seqs,
+            max_num_batched_tokens=max(self.args.max_num_batched_tokens, self.args.block_size),
+            enable_prefix_caching=self.args.enable_prefix_caching, eos_token_id=eos_token_ids(self.args.model))
+        capacity = config.num_blocks * config.block_size
+        if capacity < max_model_len:
+            raise CoreFailed(f"the KV cache holds {capacity} tokens but --max-model-len is {max_model_len}; "
+                             f"raise --kv-cache-memory or lower --max-model-len")
+        self.core = EngineCore(config, self.group, self.model_config.vocab_size)
+        self.say_ready()
+        log.info("ready", num_blocks=config.num_blocks, max_model_len=max_model_len)
+        self.loop()
+
+    def start_group(self, timeout_s: float) -> WorkerGroup:
+        """Bind the workers' socket, wait for all their READYs, have them allocate the cache."""
+        a = self.args
+        group = WorkerGroup(a.worker_address, a.tensor_parallel_size * a.pipeline_parallel_size,
+                            ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address, ctx=self.ctx,
+                            interrupt=self.control, on_interrupt=self.on_control)
+        try:
+            group.wait_for_ready(timeout_s)
+            group.initialize_cache()
+        except BaseException:
+            group.close(shutdown_workers=False)
+            raise
+        return group
+
+    def loop(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.control, *self.clients):
+            poller.register(sock, zmq.POLLIN)
+        last_heartbeat = time.monotonic()
+        while True:
+            busy = self.core.executor is not None and self.core.has_work()
+            for sock, _ in poller.poll(0 if busy else HEARTBEAT_S * 1000):
+                if sock is not self.control:
+                    self.drain_client(sock)
+                    continue
+                try:
+                    self.on_control()
+                except WorkerGroupFailed as e:
+                    self.lose_workers(str(e))
+            if self.core.executor is None:
+                self.regain_workers()
+            elif self.core.has_work():
+                try:
+                    self.publish(self.core.step())
+                except WorkerGroupFailed as e:
+                    self.lose_workers(str(e))
+            if time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+                self.say_ready()
+                last_heartbeat = time.monotonic()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close(shutdown_workers=True)
+        for sock in (*self.clients, self.control):
+            sock.close()
+        self.ctx.term()
+
+    # messages
+
+    def on_control(self) -> None:
+        """Handle the supervisor's messages; WorkersLost abandons the step being waited on."""
+        while True:
+            try:
+                raw = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = control.decode(raw)
+            except msgspec.DecodeError as e:
+                log.warning("dropped malformed message", sender="control", error=str(e))
+                continue
+            if isinstance(msg, Stop):
+                log.info("stopping")
+                raise SystemExit(0)
+            if isinstance(msg, WorkersLost) and self.core is not None and self.core.executor is not None:
+                raise WorkerGroupFailed(f"the supervisor says: {msg.reason or 'workers lost'}")
+
+    def drain_client(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = to_core.decode(raw)
+            except msgspec.DecodeError as e:
+                log.warning("dropped malformed message", sender=sock.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                            error=str(e))
+                continue
+            if isinstance(msg, AddRequest):
+                self.owner[msg.req_id] = sock
+                refused = self.core.add_request(msg)
+                if refused is not None:
+                    self.publish([refused])
+            elif isinstance(msg, AbortRequests):
+                self.publish(self.core.abort_requests(msg.req_ids))
+            elif isinstance(msg, UtilityCall):
+                sock.send(encoder.encode(self.utility(msg)))
+
+    def utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method == "get_stats":
+            return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
+        if call.method == "ping":
+            return UtilityResult(call.call_id, "pong")
+        return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+
+    def publish(self, updates: list[RequestUpdate]) -> None:
+        """Send each API server the updates of its own requests, with the core's load."""
+        by_client: dict[zmq.Socket, list[RequestUpdate]] = {}
+        for update in updates:
+            sock = self.owner.get(update.req_id)
+            if sock is None:
+                continue
+            by_client.setdefault(sock, []).append(update)
+            if update.finish_reason is not None:
+                del self.owner[update.req_id]
+        stats = self.core.stats()
+        for sock, batch in by_client.items():
+            sock.send(encoder.encode(Outputs(self.dp_rank, batch, stats, self.core.num_steps)))
+
+    def say(self, msg) -> None:
+        payload = encoder.encode(msg)
+        for sock in self.clients:
+            sock.send(payload)
+
+    def say_ready(self) -> None:
+        self.say(Ready(dp_rank=self.dp_rank, instance=self.instance, max_model_len=self.core.config.max_model_len,
+                       num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size))
+
+    # losing and regaining the worker group
+
+    def lose_workers(self, reason: str) -> None:
+        log.warning("worker group lost; requeueing requests for recompute", reason=reason,
+                    num_running=self.core.stats().num_running)
+        self.publish(self.core.lose_workers())
+        self.group.close(shutdown_workers=False)
+        self.group = None
+        self.lost_at = time.monotonic()
+
+    def regain_workers(self) -> None:
+        """Wait for the new group; past --worker-timeout the core fails."""
+        left = self.args.worker_timeout - (time.monotonic() - self.lost_at)
+        try:
+            self.group = self.start_group(max(left, 0.0))
+        except WorkerGroupFailed as e:
+            raise CoreFailed(f"the worker group did not come back within {self.args.worker_timeout:g} s ({e})") from e
+        self.publish(self.core.regain_workers(self.group))
+        log.info("worker group back; recomputing", seconds=round(time.monotonic() - self.lost_at, 2),
+                 num_blocks=self.group.num_blocks)
+        self.lost_at = None
+
+
+def parse_args(argv: list[str] | None = None):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m engine.core", description="One engine core of a vsup tree.")
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--api-server-address", action="append", default=[], help="an API server's engine socket")
+    p.add_argument("--worker-address", required=True, help="where this core's workers connect")
+    p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Stop")
+    p.add_argument("--ring-prefix", required=True, help="/dev/shm name prefix of the step ring, unique per deployment")
+    p.add_argument("--wakeup-address", required=True, help="the ring's wakeup socket")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--worker-timeout", type=float, default=120.0,
+                   help="how long a lost worker group may take to come back before the core fails")
+    args, _unknown = p.parse_known_args(argv)  # flags meant for other roles pass through untouched
+    return args
+
+
+def _exit(signum, frame):
+    raise SystemExit(0)  # unwinds through close(): workers are told, sockets closed
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from engine.log import configure
+    from engine.process import become
+
+    args = parse_args(argv)
+    become(f"engine-core dp{args.dp_rank}")
+    configure("engine-core", dp=args.dp_rank)
+    signal.signal(signal.SIGTERM, _exit)
+    proc = EngineCoreProc(args)
+    try:
+        proc.run()
+        return 0
+    except (CoreFailed, WorkerGroupFailed) as e:
+        log.error("engine core failed", error=str(e))
+        proc.say(Failed(dp_rank=args.dp_rank, error=str(e)))
+        return 1
+    finally:
+        proc.close()
