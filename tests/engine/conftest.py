@@ -77,3 +77,26 @@ def hf_logits():
             return models[model_dir](torch.tensor([token_ids])).logits[0]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(model_dir, prompts: dict[id, (token_ids, n)]) -> {id: the n argmax tokens transformers picks}.
+
+    Plain argmax of transformers' logits, token by token: unlike `generate`
+    with min_new_tokens, it does not hold back EOS, as ignore_eos does not.
+    """
+    from transformers import AutoModelForCausalLM
+
+    def run(model_dir: Path, prompts: dict) -> dict:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        out = {}
+        with torch.no_grad():
+            for key, (prompt, n) in prompts.items():
+                ids = list(prompt)
+                for _ in range(n):  # a full forward per token: slow, but no cache API to depend on
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+                out[key] = ids[len(prompt):]
+        return out
+
+    return run

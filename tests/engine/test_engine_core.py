@@ -27,20 +27,9 @@ PROMPTS = {"a": [5, 17, 42, 99, 3, 250, 7], "b": [11, 12, 13], "c": [200, 1, 2, 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
+def reference(tiny_model, hf_greedy):
     """transformers' greedy continuation of each prompt."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tiny_model("llama_tied")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for r, p in PROMPTS.items():
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                 attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
-        out[r] = ids[0, len(p):].tolist()
-    return out
+    return hf_greedy(tiny_model("llama_tied"), {r: (p, 8) for r, p in PROMPTS.items()})
 
 
 def test_in_process_core_greedy_and_bad_requests(tiny_model, reference):
@@ -105,8 +94,9 @@ class FakeApiServer:
 class Deployment:
     """One engine core and its workers, started the way the supervisor will start them."""
 
-    def __init__(self, tmp: Path, model_dir: str, tp: int = 1, worker_timeout: float = 60.0):
-        self.tmp, self.model_dir, self.tp = tmp, model_dir, tp
+    def __init__(self, tmp: Path, model_dir: str, tp: int = 1, worker_timeout: float = 60.0,
+                 kv_cache_bytes: int = 1 << 20, max_model_len: int = 256):
+        self.tmp, self.model_dir, self.tp, self.kv_cache_bytes = tmp, model_dir, tp, kv_cache_bytes
         self.api = FakeApiServer(f"ipc://{tmp}/a0.sock")
         self.control = self.api.ctx.socket(zmq.PUSH)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -116,7 +106,7 @@ class Deployment:
                                 "--worker-address", f"ipc://{tmp}/workers.sock",
                                 "--control-address", f"ipc://{tmp}/control.sock",
                                 "--ring-prefix", f"vsup-test-{tmp.name}", "--wakeup-address", f"ipc://{tmp}/wake.sock",
-                                "--block-size", "4", "--max-model-len", "256", "--max-num-batched-tokens", "8",
+                                "--block-size", "4", "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "64",
                                 "--worker-timeout", str(worker_timeout)])
         self.generation = 0
         self.workers = self.start_workers()
@@ -127,7 +117,7 @@ class Deployment:
     def start_workers(self):
         self.generation += 1
         return [self.spawn([sys.executable, "-m", "engine.worker", "--model", self.model_dir, "--tp-rank", str(r),
-                            "--tensor-parallel-size", str(self.tp), "--kv-cache-bytes", str(1 << 20),
+                            "--tensor-parallel-size", str(self.tp), "--kv-cache-bytes", str(self.kv_cache_bytes),
                             "--block-size", "4", "--core-address", f"ipc://{self.tmp}/workers.sock",
                             "--dist-init-method", f"file://{self.tmp}/dist-{self.generation}", "--num-threads", "1"])
                 for r in range(self.tp)]
@@ -234,3 +224,28 @@ def test_group_that_never_returns_fails_the_core(deployment):
     failed = d.api.recv(Failed, timeout_s=30)
     assert "did not come back within 2 s" in failed.error
     assert d.core.wait(timeout=30) == 1
+
+
+def mixed_requests(n=32, seed=0):
+    """n prompts of 3 to 24 tokens, each asking for 4 to 16 greedy tokens."""
+    import random
+    rng = random.Random(seed)
+    return {f"r{i}": ([rng.randrange(256) for _ in range(rng.randint(3, 24))], rng.randint(4, 16)) for i in range(n)}
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_model, hf_greedy):
+    return hf_greedy(tiny_model("llama_tied"), mixed_requests())
+
+
+@pytest.mark.parametrize("kv_cache_bytes,preempts", [(1 << 20, False), (64 << 10, True)])
+def test_32_concurrent_requests_through_tp2_equal_generate(deployment, mixed_reference, kv_cache_bytes, preempts):
+    # 64 KiB per worker: 32 blocks of 4 tokens (2 KiB each at TP=2), far fewer than 32 requests need at once
+    d = deployment(tp=2, kv_cache_bytes=kv_cache_bytes, max_model_len=64)
+    assert d.api.recv(Ready).num_blocks == kv_cache_bytes // 2048
+    for r, (p, n) in mixed_requests().items():
+        d.api.send(AddRequest(r, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    outputs, reasons = d.api.collect(list(mixed_requests()))
+    assert outputs == mixed_reference
+    d.api.send(UtilityCall(1, "get_stats"))
+    assert (d.api.recv(UtilityResult).result["num_preemptions"] > 0) == preempts

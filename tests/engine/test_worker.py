@@ -9,7 +9,6 @@ import sys
 
 import psutil
 import pytest
-import torch
 
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.sampling.params import SamplingParams
@@ -19,15 +18,6 @@ from engine.worker.worker import Worker, WorkerConfig
 BLOCK = 4
 PROMPTS = {"a": [5, 17, 42, 99, 3, 250, 7], "b": [11, 12, 13]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
-
-
-def greedy_reference(model_dir, prompt, n):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def drive(execute, prompts: dict[str, list[int]], num_tokens: int, chunk: int = 4,
@@ -70,7 +60,7 @@ def drive(execute, prompts: dict[str, list[int]], num_tokens: int, chunk: int = 
     return outputs
 
 
-def test_in_process_worker_greedy_equals_transformers(tiny_model):
+def test_in_process_worker_greedy_equals_transformers(tiny_model, hf_greedy):
     model_dir = tiny_model("llama")
     worker = Worker(WorkerConfig(model=str(model_dir), kv_cache_bytes=1 << 20, block_size=BLOCK))
     worker.init_device()
@@ -79,9 +69,7 @@ def test_in_process_worker_greedy_equals_transformers(tiny_model):
     per_block = 2 * 4 * 2 * 16 * 4 * BLOCK  # K,V x 4 layers x 2 KV heads x head_dim 16 x float32 x block
     assert ready.kv_bytes_per_block == per_block and ready.num_blocks == (1 << 20) // per_block
     worker.initialize_cache(64)
-    outputs = drive(worker.execute, PROMPTS, 6)
-    for r, prompt in PROMPTS.items():
-        assert outputs[r] == greedy_reference(model_dir, prompt, 6)
+    assert drive(worker.execute, PROMPTS, 32) == hf_greedy(model_dir, {r: (p, 32) for r, p in PROMPTS.items()})
 
 
 def make_group(tmp_path, world_size):
@@ -112,7 +100,7 @@ def stop(procs):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp):
+def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, hf_greedy, tp, pp):
     model_dir = tiny_model("llama_tied")
     group = make_group(tmp_path, tp * pp)
     procs = spawn_group(tmp_path, model_dir, tp, pp)
@@ -124,8 +112,7 @@ def test_worker_group_processes_equal_transformers(tmp_path, tiny_model, tp, pp)
         assert all(w.weight_bytes > 0 and w.rss_bytes > 0 for w in ready)
         assert group.initialize_cache() == min(w.num_blocks for w in ready)
         outputs = drive(lambda out: group.execute(out, timeout_s=60), PROMPTS, 5)
-        for r, prompt in PROMPTS.items():
-            assert outputs[r] == greedy_reference(model_dir, prompt, 5)
+        assert outputs == hf_greedy(model_dir, {r: (p, 5) for r, p in PROMPTS.items()})
         group.close()
         assert [p.wait(timeout=30) for p in procs] == [0] * (tp * pp)
     finally:

@@ -1,0 +1,48 @@
+"""The default model (SmolLM2-135M-Instruct) through our loader and paged cache, against transformers."""
+
+import pytest
+import torch
+
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.default_model import default_model_dir
+from engine.model.loader import load_model
+from engine.worker.worker import Worker, WorkerConfig
+
+from .test_worker import drive  # noqa: E402  (the test core that feeds a Worker)
+
+PROMPTS = {
+    "short": [1, 504, 3458, 314, 260, 3575, 282, 4649, 47],
+    "chat": [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
+             2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+    "long": list(range(1000, 1200)),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return default_model_dir()
+
+
+def test_logits_match_transformers(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS["chat"]
+    ours = load_model(model_dir, dtype="float32")
+    caches = allocate_kv_caches(ours.config, ours.groups, num_blocks=8, block_size=16)
+    metadata = AttentionMetadata.build([0], [len(prompt)], [list(range(8))], 16)
+    ids = torch.tensor(prompt)
+    hidden = ours(ids, torch.arange(len(prompt)), caches, metadata)
+    logits = ours.compute_logits(hidden)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_greedy_32_tokens_equal_transformers(model_dir, hf_greedy):
+    worker = Worker(WorkerConfig(model=str(model_dir), kv_cache_bytes=64 << 20, block_size=16))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_cache(worker.ready_report().num_blocks)
+    outputs = drive(worker.execute, PROMPTS, 32, chunk=48, block_size=16)
+    assert outputs == hf_greedy(model_dir, {k: (p, 32) for k, p in PROMPTS.items()})
