@@ -20,13 +20,24 @@ def process_name(default: str) -> str:
     return os.environ.get("VSUP_PROCESS_NAME", default)
 
 
-def become(default_name: str) -> str:
-    """Set the process title and die with the supervisor; returns the process name.
+def die_with_supervisor() -> None:
+    """Under a supervisor (VSUP_SUPERVISOR_PID set), get SIGKILL when it dies.
 
-    PR_SET_PDEATHSIG is set by the child itself, so it holds whoever spawned
-    it; and a parent that died before that call is caught by comparing
-    getppid() with the pid the supervisor wrote into VSUP_SUPERVISOR_PID.
+    Entry points call this before their heavy imports. PR_SET_PDEATHSIG is
+    set by the child itself, so it holds whoever spawned it; a supervisor
+    that died before this call is caught by comparing getppid() with its pid.
     """
+    supervisor = os.environ.get("VSUP_SUPERVISOR_PID")
+    if supervisor and sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != int(supervisor):
+            os._exit(1)  # the supervisor is already gone: nobody would ever stop us
+
+
+def become(default_name: str) -> str:
+    """Set the process title and die with the supervisor; returns the process name."""
+    die_with_supervisor()
     name = process_name(default_name)
     title = os.environ.get("VSUP_PROCESS_TITLE", "vsup::" + name.replace(" ", "_"))
     try:
@@ -34,10 +45,4 @@ def become(default_name: str) -> str:
         setproctitle.setproctitle(title)
     except ImportError:  # pragma: no cover - a declared dependency
         pass
-    supervisor = os.environ.get("VSUP_SUPERVISOR_PID")
-    if supervisor and sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != int(supervisor):
-            os._exit(1)  # the supervisor is already gone: nobody would ever stop us
     return name

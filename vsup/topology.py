@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vsup import addresses
 from vsup.errors import UsageError
 
 API_SERVER = "api-server"
@@ -195,12 +196,30 @@ class Plan:
                 "processes": [p.to_json() for p in self.processes]}
 
 
-def plan(config: ParallelConfig, *, python: str = "python",
-         engine_args: tuple[str, ...] = ()) -> Plan:
+def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: str, *,
+                 a: int | None = None, dp: int | None = None, **_) -> tuple[str, ...]:
+    """The sockets and shared-memory names a process needs to find its peers."""
+    if role == API_SERVER:
+        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a))
+    if role == ENGINE_CORE:
+        servers = [x for i in range(config.num_api_servers)
+                   for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i))]
+        return (*servers, "--worker-address", addresses.core_worker_socket(run_dir, dp),
+                "--control-address", addresses.core_control_socket(run_dir, dp),
+                "--ring-prefix", addresses.ring_prefix(deployment, dp),
+                "--wakeup-address", addresses.ring_wakeup_socket(run_dir, dp))
+    if role == WORKER:
+        return ("--core-address", addresses.core_worker_socket(run_dir, dp))
+    return ()
+
+
+def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[str, ...] = (),
+         run_dir: str | None = None, deployment: str = "default") -> Plan:
     """Every process of the deployment, in start order of roles.
 
-    `python` and `engine_args` only shape argv: the interpreter that runs the
-    children and the flags (model, run dir, ...) that every child receives.
+    `python`, `engine_args`, `run_dir` and `deployment` only shape argv: the
+    interpreter that runs the children, the flags (model, limits, ...) that
+    every child receives, and where in the run dir each finds its peers.
     """
     tp_size, pp_size, dp_size = (config.tensor_parallel_size, config.pipeline_parallel_size,
                                  config.data_parallel_size)
@@ -210,7 +229,8 @@ def plan(config: ParallelConfig, *, python: str = "python",
     def spec(role: str, node: int, device: str | None, rank_args: tuple[str, ...], **ranks) -> ProcessSpec:
         name = process_name(role, **ranks)
         title = process_title(name)
-        argv = (python, "-m", ENTRY_POINTS[role], *rank_args, *common)
+        meet = meeting_args(config, role, run_dir, deployment, **ranks) if run_dir is not None else ()
+        argv = (python, "-m", ENTRY_POINTS[role], *rank_args, *meet, *common)
         env = {"VSUP_ROLE": role, "VSUP_PROCESS_NAME": name, "VSUP_PROCESS_TITLE": title}
         return ProcessSpec(role=role, name=name, title=title, node=node, device=device,
                            argv=argv, env=env, **ranks)

@@ -258,3 +258,22 @@ class _ProgressReporter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def main() -> int:
+    """`python -m engine.model.default_model`: convert if needed, print the directory.
+
+    `vsup serve` runs this (progress on stderr, the path on stdout) so that
+    vsup never imports the engine.
+    """
+    import sys
+
+    from engine.log import configure
+
+    configure("model", stream=sys.stderr)
+    print(default_model_dir())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ import os
 import sys
 
 import msgspec
+import torch
 import zmq
 
 from engine.log import configure
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--core-address", required=True, help="the engine core's worker socket (ipc:// or tcp://)")
     p.add_argument("--dist-init-method", default=None, help="torch.distributed rendezvous, unique per deployment")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: cores / workers)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of requests that bring none")
     args, _unknown = p.parse_known_args(argv)  # flags meant for other roles pass through untouched
     return args
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(args.core_address)
     worker = Worker(config)
+    torch.manual_seed(args.seed)
     try:
         log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None)
         worker.init_device()

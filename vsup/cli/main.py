@@ -7,8 +7,9 @@ import sys
 import typer
 
 from vsup import __version__
-from vsup.cli import plan
+from vsup.cli import logs, plan, ps, serve, stop
 from vsup.errors import UsageError
+from vsup.rundir import NoDeployment
 
 try:  # typer vendors click from 0.20 on
     from typer._click.exceptions import ClickException
@@ -25,6 +26,10 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain help: readable at any width, greppable, no rich import
 )
 app.add_typer(plan.app)
+app.add_typer(serve.app)
+app.add_typer(ps.app)
+app.add_typer(logs.app)
+app.add_typer(stop.app)
 
 
 def _version(value: bool) -> None:
@@ -46,7 +51,7 @@ def run() -> None:
     command = " ".join(["vsup", *[a for a in sys.argv[1:2] if not a.startswith("-")]])
     try:
         code = app(prog_name="vsup", standalone_mode=False)
-    except UsageError as e:
+    except (UsageError, NoDeployment) as e:
         typer.echo(f"{command}: error: {e}", err=True)
         sys.exit(e.exit_code)
     except ClickException as e:

@@ -83,3 +83,47 @@ GpuMemoryUtilization = Annotated[float, _option(
     help="Share of each GPU's memory that weights and KV cache may use.")]
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+SERVING = "Serving"
+SUPERVISION = "Supervision"
+
+
+class RestartPolicyOpt(str, Enum):
+    always = "always"
+    on_failure = "on-failure"
+    never = "never"
+
+
+class LogFormat(str, Enum):
+    auto = "auto"
+    text = "text"
+    json = "json"
+
+
+Name = Annotated[str, _option(
+    "--name", help="The deployment: its run dir is $VSUP_HOME/NAME (default ~/.local/state/vsup/NAME).")]
+Host = Annotated[str, _option("--host", panel=SERVING, help="Address the API servers listen on.")]
+Port = Annotated[int, _option("--port", panel=SERVING, help="Port the API servers share.")]
+ApiKey = Annotated[Optional[str], _option(
+    "--api-key", panel=SERVING, show_default=False,
+    help="Require 'Authorization: Bearer KEY' on every /v1 route (passed to the API servers in the environment).")]
+ServedModelName = Annotated[Optional[str], _option(
+    "--served-model-name", panel=SERVING, show_default=False,
+    help="The model name clients use.  [default: the model directory's name]")]
+MaxNumSeqs = Annotated[int, _option("--max-num-seqs", panel=MEMORY, help="Most requests an engine core runs at once.")]
+Seed = Annotated[int, _option("--seed", panel=MEMORY, help="Random seed of requests that bring none.")]
+
+RestartPolicyFlag = Annotated[RestartPolicyOpt, _option(
+    "--restart-policy", panel=SUPERVISION, case_sensitive=False,
+    help="Restart a unit whose process exited: always, on-failure (not after exit 0) or never.")]
+MaxRestarts = Annotated[int, _option(
+    "--max-restarts", panel=SUPERVISION, help="Restarts a unit may have within 300 s before it is marked failed.")]
+DrainTimeout = Annotated[float, _option(
+    "--drain-timeout", panel=SUPERVISION, help="Seconds in-flight requests get to finish on stop.")]
+StopTimeout = Annotated[float, _option(
+    "--stop-timeout", panel=SUPERVISION, help="Seconds each role gets to exit on stop before SIGKILL.")]
+StartupTimeout = Annotated[float, _option(
+    "--startup-timeout", panel=SUPERVISION, help="Seconds every process gets to report READY.")]
+LogFormatOpt = Annotated[LogFormat, _option(
+    "--log-format", case_sensitive=False,
+    help="Console output: auto (coloured text on a TTY, plain text otherwise), text or json.")]

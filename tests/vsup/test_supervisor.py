@@ -1,0 +1,188 @@
+"""The supervisor over real stand-in processes: tagging, ps, restarts by unit, stop, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+TREE = Path(__file__).parent / "fake" / "tree.py"
+VSUP = [sys.executable, "-m", "vsup"]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VSUP_HOME", str(tmp_path))
+    return tmp_path
+
+
+def start(name, tp=2, dp=1, max_restarts=5, env=None):
+    proc = subprocess.Popen([sys.executable, str(TREE), name, str(tp), str(dp), str(max_restarts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    return proc
+
+
+def vsup(*args):
+    return subprocess.run([*VSUP, *args], capture_output=True, text=True, timeout=60)
+
+
+def ps(name):
+    result = vsup("ps", "--name", name, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def serving(name):
+    def check():
+        try:
+            state = ps(name)
+        except (AssertionError, json.JSONDecodeError):
+            return None
+        return state if state["supervisor"]["state"] == "serving" else None
+    return wait_for(check, what="serving")
+
+
+def tree_pids(state):
+    return {p["name"]: p["pid"] for p in state["processes"]}
+
+
+def stop(proc, timeout=30):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def test_ps_names_equal_plan_and_logs_are_tagged_by_pipe(home):
+    proc = start("tags", tp=2, dp=2)
+    try:
+        state = serving("tags")
+        plan = json.loads(vsup("plan", "--device", "cpu", "--json", "-tp", "2", "-dp", "2").stdout)
+        assert [p["name"] for p in state["processes"]] == [p["name"] for p in plan["processes"]]
+        assert all(p["state"] == "ready" and psutil.pid_exists(p["pid"]) for p in state["processes"])
+        text = vsup("ps", "--name", "tags").stdout
+        assert "worker dp1 pp0 tp1" in text and "serving" in text.splitlines()[0]
+
+        lines = vsup("logs", "--name", "tags", "--role", "worker", "--tp", "1", "--dp", "0", "--json").stdout
+        records = [json.loads(line) for line in lines.splitlines()]
+        assert {r["name"] for r in records} == {"worker dp0 pp0 tp1"}
+        events = [r["event"] for r in records]
+        assert "native write from worker dp0 pp0 tp1" in events  # straight to fd 2
+        assert "Traceback (most recent call last):" in events and "KeyError: 'missing'" in events
+        ready = next(r for r in records if r["event"] == "ready")
+        assert (ready["role"], ready["dp"], ready["stream"]) == ("worker", 0, "stdout")  # not the child's claim
+        errors = vsup("logs", "--name", "tags", "--level", "error", "--json").stdout.splitlines()
+        assert errors and all(json.loads(line)["level"] == "error" for line in errors)
+    finally:
+        code, out, err = stop(proc)
+    assert code == 0, err
+    assert "serving fake on http://127.0.0.1:1" in out
+
+
+def test_dead_worker_restarts_its_whole_group_and_ps_counts_it(home):
+    proc = start("heal", tp=2)
+    try:
+        before = tree_pids(serving("heal"))
+        os.kill(before["worker dp0 pp0 tp1"], signal.SIGKILL)
+
+        def healed():
+            state = ps("heal")
+            workers = [p for p in state["processes"] if p["role"] == "worker"]
+            return state if all(p["state"] == "ready" and p["restarts"] == 1 for p in workers) else None
+        after = tree_pids(wait_for(healed, what="worker group back"))
+        assert after["worker dp0 pp0 tp0"] != before["worker dp0 pp0 tp0"]  # the whole group, not one rank
+        assert after["engine-core dp0"] == before["engine-core dp0"]  # the core stays up
+        assert after["api-server a0"] == before["api-server a0"]
+        assert not psutil.pid_exists(before["worker dp0 pp0 tp0"])
+        state = ps("heal")
+        assert next(p for p in state["processes"] if p["name"] == "worker dp0 pp0 tp1")["last_exit"] == "signal 9 (SIGKILL)"
+    finally:
+        stop(proc)
+
+
+def test_restart_command_takes_the_crash_path(home):
+    proc = start("again", tp=1)
+    try:
+        before = tree_pids(serving("again"))
+        result = vsup("restart", "--name", "again", "--role", "engine-core", "--dp", "0")
+        assert result.returncode == 0 and "engine-core dp0" in result.stdout
+        after = tree_pids(wait_for(lambda: (s := ps("again"))["supervisor"]["state"] == "serving" and all(
+            p["state"] == "ready" and p["restarts"] == 1 for p in s["processes"] if p["role"] != "api-server") and s))
+        assert after["engine-core dp0"] != before["engine-core dp0"]
+        assert after["worker dp0 pp0 tp0"] != before["worker dp0 pp0 tp0"]  # a core brings its group along
+        assert after["api-server a0"] == before["api-server a0"]
+        assert vsup("restart", "--name", "again", "--role", "coordinator").returncode == 1  # there is none
+    finally:
+        stop(proc)
+
+
+def test_sigterm_stops_everything_and_cleans_up(home):
+    proc = start("calm")
+    pids = tree_pids(serving("calm"))
+    code, out, err = stop(proc)
+    assert code == 0, err
+    assert not [pid for pid in pids.values() if psutil.pid_exists(pid)]
+    run_dir = home / "calm"
+    assert not list(run_dir.glob("*.sock"))
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    state = ps("calm")
+    assert state["supervisor"]["live"] is False and state["supervisor"]["state"] == "stopped"
+    assert "supervisor not running" in vsup("ps", "--name", "calm").stdout
+
+
+def test_killed_supervisor_takes_the_tree_along(home):
+    proc = start("orphans")
+    pids = tree_pids(serving("orphans"))
+    proc.kill()
+    proc.wait()
+    time.sleep(2)
+    assert not [pid for pid in pids.values() if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_always_crashing_worker_gives_up_naming_it(home):
+    started = time.monotonic()
+    proc = start("doomed", tp=1, max_restarts=2, env={"FAKE_CRASH": "worker"})
+    code, out, err = proc.wait(timeout=60), proc.stdout.read(), proc.stderr.read()
+    assert code == 1
+    assert time.monotonic() - started < 30
+    assert "worker-group dp0 failed" in err and "2 restarts" in err
+    assert "CUDA error: out of memory (simulated)" in err  # its last stderr lines, quoted
+    assert out.count("restarting") == 2
+
+
+def test_second_supervisor_with_the_same_name_is_refused(home):
+    proc = start("twice")
+    try:
+        serving("twice")
+        second = subprocess.run([sys.executable, str(TREE), "twice", "1", "1", "5"], capture_output=True,
+                                text=True, timeout=30)
+        assert second.returncode != 0 and f"already served by pid {proc.pid}" in second.stderr
+    finally:
+        stop(proc)
+
+
+def test_unknown_deployment_exits_1(home):
+    for command in ("ps", "logs", "stop"):
+        result = vsup(command, "--name", "ghost")
+        assert result.returncode == 1 and "no deployment named 'ghost'" in result.stderr

@@ -1,0 +1,71 @@
+"""`vsup ps`: the live process tree, from the supervisor, or its last state when it is gone."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+
+from vsup.cli import options as o
+
+app = typer.Typer()
+
+
+@app.command()
+def ps(name: o.Name = "default", as_json: o.Json = False) -> None:
+    """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
+
+    When the supervisor is gone, shows the last state it wrote (state.json) and says so.
+    """
+    from vsup.rundir import RunDir
+    from vsup.supervisor.control import request
+
+    run_dir = RunDir(name).require()
+    try:
+        state = request(str(run_dir.control_socket), {"cmd": "ps"})
+        state["supervisor"]["live"] = True
+    except (OSError, ValueError):
+        state = run_dir.read_state()
+        state["supervisor"]["live"] = False
+        for p in state["processes"]:
+            p["cpu_percent"] = p["rss_bytes"] = None
+    if as_json:
+        typer.echo(json.dumps(state, indent=2))
+    else:
+        typer.echo(render(state))
+
+
+def render(state: dict) -> str:
+    from vsup.memory import format_bytes
+
+    sup = state["supervisor"]
+    now = time.time()
+    if sup["live"]:
+        head = (f"{sup['name']}: {sup['state']} {sup['model']} on {sup['url']} "
+                f"(supervisor pid {sup['pid']}, up {_duration(now - sup['started_at'])})")
+    else:
+        head = (f"{sup['name']}: supervisor not running; last state ({sup['state']}) "
+                f"from state.json{': ' + sup['message'] if sup.get('message') else ''}")
+    columns = ("NAME", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "RSS", "DEVICE")
+    rows = []
+    for p in state["processes"]:
+        alive = p.get("pid") is not None and sup["live"]
+        rows.append((p["name"], str(p.get("pid") or "-"), p["state"],
+                     _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
+                     str(p["restarts"]), p.get("last_exit") or "-",
+                     f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
+                     format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-"))
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    lines = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

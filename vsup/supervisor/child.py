@@ -1,0 +1,81 @@
+"""One process of the tree as the supervisor holds it: spawned flat, in its own process group,
+its pipes handed to the log router and its exit seen through a pidfd."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from vsup.topology import ProcessSpec
+
+
+def describe_exit(returncode: int) -> str:
+    """`exit 1`, `signal 9 (SIGKILL)`: how a process ended, the way ps shows it."""
+    if returncode < 0:
+        try:
+            return f"signal {-returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit {returncode}"
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    unit: str
+    state: str = "pending"  # pending, starting, ready, exited, backoff, failed, stopping, stopped
+    popen: subprocess.Popen | None = None
+    pidfd: int | None = None
+    started_at: float | None = None  # wall clock, for uptime
+    restarts: int = 0
+    last_exit: str | None = None
+    extra_argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.returncode is None
+
+    def spawn(self, env: dict[str, str]) -> tuple[int, int]:
+        """Start the process; returns the read ends of its stdout and stderr pipes."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self.popen = subprocess.Popen(
+                [*self.spec.argv, *self.extra_argv], stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env={**env, **self.spec.env}, process_group=0, close_fds=True)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self.pidfd = os.pidfd_open(self.popen.pid)
+        self.state, self.started_at = "starting", time.time()
+        return out_r, err_r
+
+    def reap(self) -> int:
+        """Collect the exit status once the pidfd said it exited."""
+        code = self.popen.wait()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.last_exit = describe_exit(code)
+        return code
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.kill(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def to_json(self) -> dict:
+        s = self.spec
+        return {"name": s.name, "role": s.role, "a": s.a, "dp": s.dp, "pp": s.pp, "tp": s.tp, "node": s.node,
+                "device": s.device, "title": s.title, "unit": self.unit, "pid": self.pid if self.alive else None,
+                "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "started_at": self.started_at}

@@ -1,0 +1,69 @@
+"""Tag a child's output line with who wrote it, and render records for the console. Pure.
+
+The tag comes from the pipe the line came out of, never from the child's own
+words: a line from C code or a traceback is tagged like any JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+# the child's own copies of these are replaced by the pipe's tag
+TAG_FIELDS = ("name", "role", "a", "dp", "pp", "tp", "pid")
+LEVELS = ("debug", "info", "warning", "error", "critical")
+COLORS = {"api-server": 36, "engine-core": 35, "worker": 33, "coordinator": 34, "supervisor": 32}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def tag_line(line: str, stream: str, tag: dict) -> dict:
+    """One record of vsup.jsonl: ts, level, name, role, ranks, pid, stream, event, and the child's extras."""
+    record = {"ts": None, "level": None, **tag, "stream": stream, "event": None}
+    parsed = None
+    if line.startswith("{"):
+        try:
+            parsed = json.loads(line)
+        except ValueError:
+            parsed = None
+    if isinstance(parsed, dict) and "event" in parsed:
+        record["ts"] = parsed.pop("timestamp", None)
+        record["level"] = str(parsed.pop("level", "info")).lower()
+        record["event"] = str(parsed.pop("event"))
+        for key, value in parsed.items():
+            if key not in TAG_FIELDS and key not in record:
+                record[key] = value
+    else:
+        record["level"] = "error" if stream == "stderr" else "info"
+        record["event"] = line
+    record["ts"] = record["ts"] or now_iso()
+    return record
+
+
+def supervisor_record(event: str, level: str = "info", **fields) -> dict:
+    """A line the supervisor itself writes, in the same shape as a child's."""
+    return {"ts": now_iso(), "level": level, "name": "supervisor", "role": "supervisor", "pid": None,
+            "stream": "supervisor", "event": event, **fields}
+
+
+def render(record: dict, width: int, color: bool) -> str:
+    """`name | event key=value ...` with the name padded to `width`; a traceback follows, indented."""
+    name = record.get("name") or record.get("role") or "?"
+    prefix = f"{name:<{width}} |"
+    if color:
+        prefix = f"\x1b[{COLORS.get(record.get('role'), 37)}m{prefix}\x1b[0m"
+    skip = {"ts", "level", "stream", "event", "exception", *TAG_FIELDS}
+    extras = " ".join(f"{k}={_short(v)}" for k, v in record.items() if k not in skip and v is not None)
+    level = record.get("level")
+    marker = f"{level.upper()} " if level in ("warning", "error", "critical") and record.get("stream") != "stderr" else ""
+    lines = [f"{prefix} {marker}{record.get('event')}{' ' + extras if extras else ''}"]
+    for line in str(record.get("exception") or "").splitlines():
+        lines.append(f"{prefix}   {line}")
+    return "\n".join(lines)
+
+
+def _short(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,133 @@
+"""Read every child's stdout and stderr, tag each line, write it to vsup.jsonl and the console.
+
+One thread with one selector over all pipes; the main thread hands it new
+pipes through a wakeup pipe, so the selector is only touched by its thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Callable, TextIO
+
+from vsup.supervisor.log_format import render, tag_line
+
+ROTATE_BYTES = 16 << 20
+KEEP_FILES = 5
+
+
+class JsonlWriter:
+    """Append records to vsup.jsonl; past ROTATE_BYTES, shift to vsup.jsonl.1 ... .KEEP_FILES."""
+
+    def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES, keep: int = KEEP_FILES):
+        self.path, self.rotate_bytes, self.keep = path, rotate_bytes, keep
+        self.file = self._open()
+
+    def _open(self):
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return os.fdopen(fd, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, default=str) + "\n")
+        if self.file.tell() >= self.rotate_bytes:
+            self.file.close()
+            for i in range(self.keep - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{i}")
+                if older.exists():
+                    older.rename(self.path.with_name(f"{self.path.name}.{i + 1}"))
+            self.path.rename(self.path.with_name(f"{self.path.name}.1"))
+            self.file = self._open()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Console:
+    """Text with aligned (coloured on a TTY) prefixes, or the JSON records themselves."""
+
+    def __init__(self, stream: TextIO = sys.stdout, fmt: str = "auto"):
+        self.stream = stream
+        self.json = fmt == "json"
+        self.color = fmt == "auto" and stream.isatty()
+        self.width = 10
+
+    def write(self, record: dict) -> None:
+        text = json.dumps(record, default=str) if self.json else render(record, self.width, self.color)
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+class LogRouter(threading.Thread):
+    """Pumps lines from child pipes to the sinks until stopped."""
+
+    def __init__(self, sinks: list[Callable[[dict], None]]):
+        super().__init__(name="log-router", daemon=True)
+        self.sinks = sinks
+        self.lock = threading.Lock()  # the main thread emits its own records too
+        self.selector = selectors.DefaultSelector()
+        self.pending: deque = deque()
+        self.wake_r, self.wake_w = os.pipe()
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        self.stopping = False
+        self.open_pipes = 0
+        self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines
+
+    def emit(self, record: dict) -> None:
+        with self.lock:
+            for sink in self.sinks:
+                sink(record)
+
+    def add(self, pipe: int, stream: str, tag: dict) -> None:
+        """Read `pipe` (a child's stdout or stderr) from now on, tagging lines with `tag`."""
+        self.pending.append((pipe, stream, tag))
+        os.write(self.wake_w, b"x")
+
+    def stop(self) -> None:
+        """Drain what the pipes still hold, then end the thread."""
+        self.stopping = True
+        os.write(self.wake_w, b"x")
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        buffers: dict[int, bytearray] = {}
+        while not (self.stopping and self.open_pipes == 0):
+            for key, _ in self.selector.select(timeout=0.5 if self.stopping else None):
+                if key.data is None:
+                    os.read(self.wake_r, 4096)
+                    while self.pending:
+                        pipe, stream, tag = self.pending.popleft()
+                        os.set_blocking(pipe, False)
+                        self.selector.register(pipe, selectors.EVENT_READ, (stream, tag))
+                        buffers[pipe] = bytearray()
+                        self.open_pipes += 1
+                    continue
+                pipe, (stream, tag) = key.fd, key.data
+                try:
+                    chunk = os.read(pipe, 65536)
+                except BlockingIOError:
+                    continue
+                buf = buffers[pipe]
+                buf += chunk
+                *lines, rest = buf.split(b"\n")
+                if not chunk:  # EOF: the child closed it (it exited)
+                    lines, rest = [*lines, rest] if rest else lines, b""
+                    self.selector.unregister(pipe)
+                    os.close(pipe)
+                    self.open_pipes -= 1
+                buffers[pipe] = bytearray(rest)
+                for raw in lines:
+                    self._line(raw.decode(errors="replace").rstrip("\r"), stream, tag)
+            if self.stopping and not self.selector.select(timeout=0):
+                break
+
+    def _line(self, line: str, stream: str, tag: dict) -> None:
+        if not line.strip():
+            return
+        if stream == "stderr":
+            self.last_stderr.setdefault(tag["name"], deque(maxlen=20)).append(line)
+        self.emit(tag_line(line, stream, tag))

@@ -1,0 +1,282 @@
+"""The lifecycle: start the plan, learn of each death from the process itself, restart by unit,
+stop in order. One thread and one selector: pidfds, the control socket, a wakeup pipe."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from vsup import addresses
+from vsup.rundir import RunDir
+from vsup.supervisor import notify, units
+from vsup.supervisor.child import Child
+from vsup.supervisor.control import ControlServer
+from vsup.supervisor.log_format import supervisor_record
+from vsup.supervisor.log_router import LogRouter
+from vsup.supervisor.restart_policy import RestartPolicy, RestartState
+from vsup.topology import API_SERVER, COORDINATOR, ENGINE_CORE, WORKER, Plan
+
+
+@dataclass
+class Options:
+    model: str
+    url: str
+    restart_policy: RestartPolicy
+    startup_timeout: float = 600.0
+    drain_timeout: float = 30.0
+    stop_timeout: float = 10.0
+    env: dict | None = None
+
+
+class Unit:
+    def __init__(self, name: str, children: list[Child], policy: RestartPolicy):
+        self.name, self.children = name, children
+        self.restart = RestartState(policy)
+        self.state = "running"  # running, backoff, failed
+        self.restart_at: float | None = None
+        self.started_at = time.monotonic()
+        self.requested = False
+
+
+class Supervisor:
+    """Runs one deployment's tree until it is stopped or nothing is left to serve."""
+
+    def __init__(self, plan: Plan, run_dir: RunDir, options: Options, router: LogRouter):
+        self.plan, self.run_dir, self.options, self.router = plan, run_dir, options, router
+        specs = list(plan.on_node(plan.nodes()[0]))
+        self.children = [Child(spec, units.unit_of(spec)) for spec in specs]
+        self.units = {name: Unit(name, [c for c in self.children if c.spec in units.members(name, specs)],
+                                 options.restart_policy) for name in units.units(specs)}
+        self.generation: dict[int, int] = {}
+        self.state = "starting"
+        self.exit_code = 0
+        self.message: str | None = None
+        self.started_at = time.time()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.ready_events: deque[str] = deque()
+        self.control = ControlServer(str(run_dir.control_socket), self)
+        self.selector.register(self.control.sock, selectors.EVENT_READ, "control")
+        self.notifier = notify.CoreNotifier(run_dir)
+
+    # logging
+
+    def log(self, event: str, level: str = "info", **fields) -> None:
+        self.router.emit(supervisor_record(event, level, **fields))
+
+    def on_record(self, record: dict) -> None:
+        """Called on the router's thread for every line: READY reports wake the main loop."""
+        if record.get("event") == "ready" and record.get("stream") == "stdout":
+            self.ready_events.append(record["name"])
+            os.write(self.wake_w, b"r")
+
+    # the loop
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _: self.request_stop(f"{signal.Signals(signum).name} received"))
+        signal.set_wakeup_fd(self.wake_w)
+        self.start(self.children)
+        deadline = time.monotonic() + self.options.startup_timeout
+        while not self.stopping:
+            self.tick(timeout=self.next_timer())
+            if self.state == "starting" and time.monotonic() > deadline:
+                late = ", ".join(c.spec.name for c in self.children if c.state != "ready")
+                self.fail(f"startup timeout: not ready after {self.options.startup_timeout:g} s: {late}")
+        self.shutdown()
+        return self.exit_code
+
+    @property
+    def stopping(self) -> bool:
+        return self.state in ("stopping", "stopped", "failed")
+
+    def next_timer(self) -> float:
+        waits = [u.restart_at - time.monotonic() for u in self.units.values() if u.state == "backoff"]
+        return max(0.0, min([1.0, *waits]))
+
+    def tick(self, timeout: float | None) -> None:
+        for key, _ in self.selector.select(timeout):
+            if key.data == "wake":
+                os.read(self.wake_r, 4096)
+            elif key.data == "control":
+                self.control.accept()
+            else:
+                self.on_exit(key.data)
+        while self.ready_events:
+            self.on_ready(self.ready_events.popleft())
+        now = time.monotonic()
+        for unit in self.units.values():
+            if unit.state == "backoff" and now >= unit.restart_at and not self.stopping:
+                self.restart(unit)
+
+    # starting
+
+    def start(self, children: list[Child]) -> None:
+        env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
+               "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        cpu_workers = sum(c.spec.role == WORKER and c.spec.device == "cpu" for c in self.children) or 1
+        for dp in {c.spec.dp for c in children if c.spec.role == WORKER}:
+            self.generation[dp] = self.generation.get(dp, 0) + 1
+        for child in children:
+            spec = child.spec
+            child_env = env
+            if spec.role == WORKER:
+                child.extra_argv = ["--dist-init-method",
+                                    addresses.dist_init_method(str(self.run_dir.path), spec.dp, self.generation[spec.dp])]
+                if spec.device == "cpu" and "OMP_NUM_THREADS" not in env:
+                    child_env = {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cpu_workers))}
+            out, err = child.spawn(child_env)
+            tag = {"name": spec.name, "role": spec.role, "a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp,
+                   "pid": child.pid}
+            self.router.add(out, "stdout", tag)
+            self.router.add(err, "stderr", tag)
+            self.selector.register(child.pidfd, selectors.EVENT_READ, child)
+            self.log("started", process=spec.name, pid=child.pid)
+        self.save()
+
+    def on_ready(self, name: str) -> None:
+        child = next((c for c in self.children if c.spec.name == name and c.alive), None)
+        if child is None or child.state == "ready":
+            return
+        child.state = "ready"
+        self.log("ready", process=name, pid=child.pid, seconds=round(time.time() - child.started_at, 1))
+        if self.state == "starting" and all(c.state == "ready" for c in self.children):
+            self.state = "serving"
+            self.log(f"serving {self.options.model} on {self.options.url}")
+            notify.sd_notify("READY=1")
+        self.save()
+
+    # deaths and restarts
+
+    def on_exit(self, child: Child) -> None:
+        self.selector.unregister(child.pidfd)
+        code = child.reap()
+        unit = self.units[child.unit]
+        if self.stopping:
+            child.state = "stopped"
+            self.save()
+            return
+        child.state = "exited"
+        if any(u.state != "running" for u in self.units.values() if child in u.children):
+            self.save()
+            return  # we ended it ourselves, as part of restarting or failing its unit
+        self.log("process exited", "warning" if unit.requested else "error", process=child.spec.name,
+                 pid=child.pid, exit=child.last_exit)
+        for other in unit.children:
+            other.signal(signal.SIGKILL)  # a TP/PP group cannot go on without one of its ranks
+        if child.spec.role in (WORKER, ENGINE_CORE):
+            self.notifier.workers_lost(child.spec.dp, f"{child.spec.name} {child.last_exit}")
+        if not unit.restart.wants_restart(code, unit.requested):
+            self.fail_unit(unit, child, f"{child.last_exit}; --restart-policy {unit.restart.policy.policy}")
+            return
+        delay = unit.restart.next_delay(time.monotonic(), unit.started_at)
+        unit.requested = False
+        if delay is None:
+            policy = unit.restart.policy
+            self.fail_unit(unit, child, f"{policy.max_restarts} restarts within {policy.window_s:g} s")
+            return
+        unit.state, unit.restart_at = "backoff", time.monotonic() + delay
+        for c in unit.children:
+            c.state = "backoff"
+        self.log("restarting", process=unit.name, delay_s=delay)
+        self.save()
+
+    def restart(self, unit: Unit) -> None:
+        if any(c.alive for c in unit.children):
+            unit.restart_at = time.monotonic() + 0.1  # the killed members have not exited yet
+            return
+        unit.state, unit.started_at = "running", time.monotonic()
+        for child in unit.children:
+            child.restarts += 1
+        self.start(unit.children)
+
+    def request_restart(self, role: str, dp: int | None) -> list[str]:
+        """`vsup restart`: the same path as a crash, for every unit of `role` (and DP rank)."""
+        victims = [c for c in self.children if c.spec.role == role and (dp is None or c.spec.dp == dp) and c.alive]
+        chosen = {c.unit for c in victims if self.units[c.unit].state == "running"}
+        for child in victims:
+            if child.unit in chosen:
+                self.units[child.unit].requested = True
+                child.signal(signal.SIGKILL)
+        return sorted(chosen)
+
+    def fail_unit(self, unit: Unit, child: Child, why: str) -> None:
+        tail = list(self.router.last_stderr.get(child.spec.name, []))[-10:]
+        unit.state = "failed"
+        for c in unit.children:
+            c.state = "failed"
+            c.signal(signal.SIGKILL)
+        failed = {u.name for u in self.units.values() if u.state == "failed"}
+        if unit.name.startswith("worker-group dp"):  # a core without workers cannot serve either
+            failed.add(f"{ENGINE_CORE} dp{child.spec.dp}")
+        self.log("unit failed", "error", unit=unit.name, why=why, last_stderr=tail)
+        self.save()
+        if not units.can_serve([c.spec for c in self.children], failed):
+            quoted = "\n".join(f"    {line}" for line in tail) or "    (no stderr output)"
+            self.fail(f"nothing left to serve: {unit.name} failed ({why}); last stderr of {child.spec.name}:\n{quoted}")
+
+    # stopping
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stopping:
+            self.message = reason
+            self.state = "stopping"
+            self.log("stopping", reason=reason)
+
+    def fail(self, message: str) -> None:
+        self.log(message, "error")
+        self.message, self.exit_code, self.state = message, 1, "failed"
+
+    def shutdown(self) -> None:
+        """Drain and stop in order: API servers, coordinator, engine cores, workers; SIGKILL stragglers."""
+        notify.sd_notify("STOPPING=1")
+        self.save()
+        order = [(API_SERVER, self.options.drain_timeout), (COORDINATOR, self.options.stop_timeout),
+                 (ENGINE_CORE, self.options.stop_timeout), (WORKER, self.options.stop_timeout)]
+        for role, timeout in order:
+            group = [c for c in self.children if c.spec.role == role and c.alive]
+            for child in group:
+                child.state = "stopping"
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while any(c.alive for c in group) and time.monotonic() < deadline:
+                self.tick(timeout=0.1)
+            for child in group:
+                child.signal(signal.SIGKILL)
+        while any(c.alive for c in self.children):
+            self.tick(timeout=0.1)
+        self.cleanup()
+        if self.state == "stopping":
+            self.state = "stopped"
+        self.save()
+
+    def cleanup(self) -> None:
+        """Remove what the tree left: sockets, rendezvous files, shared-memory rings."""
+        self.control.close()
+        self.notifier.close()
+        for entry in os.scandir(self.run_dir.path):
+            if entry.name.endswith(".sock") or "-dist-" in entry.name:
+                os.unlink(entry.path)
+        rings = re.compile(addresses.ring_pattern(self.run_dir.name))
+        for name in os.listdir("/dev/shm"):
+            if rings.fullmatch(name):
+                os.unlink(os.path.join("/dev/shm", name))
+
+    # state
+
+    def snapshot(self) -> dict:
+        return {"supervisor": {"pid": os.getpid(), "name": self.run_dir.name, "model": self.options.model,
+                               "url": self.options.url, "state": self.state, "started_at": self.started_at,
+                               "message": self.message, "formula": self.plan.formula},
+                "units": {u.name: {"state": u.state, "restarts": u.restart.total} for u in self.units.values()},
+                "processes": [c.to_json() for c in self.children]}
+
+    def save(self) -> None:
+        self.run_dir.write_state(self.snapshot())
