@@ -113,3 +113,26 @@ class Stop(msgspec.Struct, tag="stop"):
 
 ToControl = WorkersLost | Stop
 control = msgspec.msgpack.Decoder(ToControl)
+
+
+# engine cores -> coordinator -> API servers (DP > 1)
+
+
+class CoreLoad(msgspec.Struct, tag="core_load", array_like=True):
+    """One core's queue lengths, pushed to the coordinator when they change (and every second)."""
+
+    dp_rank: int
+    num_waiting: int
+    num_running: int
+    num_steps: int
+
+
+class LoadStats(msgspec.Struct, tag="load_stats"):
+    """Every rank's [waiting, running], published to the API servers for least-loaded routing."""
+
+    ranks: dict[int, list[int]]
+    published_at: float
+
+
+coordinator_in = msgspec.msgpack.Decoder(CoreLoad)
+coordinator_out = msgspec.msgpack.Decoder(LoadStats)

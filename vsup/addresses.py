@@ -46,6 +46,16 @@ def dist_init_method(run_dir: str, dp: int, generation: int) -> str:
     return f"file://{os.path.join(run_dir, f'dp{dp}-dist-{generation}')}"
 
 
+def coordinator_input_socket(run_dir: str) -> str:
+    """Where engine cores push their load to the coordinator."""
+    return f"ipc://{os.path.join(run_dir, 'coordinator-in.sock')}"
+
+
+def coordinator_output_socket(run_dir: str) -> str:
+    """Where API servers subscribe to every rank's load."""
+    return f"ipc://{os.path.join(run_dir, 'coordinator-out.sock')}"
+
+
 def control_socket(run_dir: str) -> str:
     """The supervisor's own control socket (a Unix stream socket, JSON lines)."""
     return os.path.join(run_dir, "control.sock")

@@ -199,18 +199,22 @@ class Plan:
 def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: str, *,
                  a: int | None = None, dp: int | None = None, **_) -> tuple[str, ...]:
     """The sockets and shared-memory names a process needs to find its peers."""
+    has_coordinator = config.data_parallel_size > 1
     if role == API_SERVER:
-        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a))
+        coordinator = ("--coordinator-address", addresses.coordinator_output_socket(run_dir)) if has_coordinator else ()
+        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a), *coordinator)
     if role == ENGINE_CORE:
         servers = [x for i in range(config.num_api_servers)
                    for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i))]
+        coordinator = ("--coordinator-address", addresses.coordinator_input_socket(run_dir)) if has_coordinator else ()
         return (*servers, "--worker-address", addresses.core_worker_socket(run_dir, dp),
                 "--control-address", addresses.core_control_socket(run_dir, dp),
                 "--ring-prefix", addresses.ring_prefix(deployment, dp),
-                "--wakeup-address", addresses.ring_wakeup_socket(run_dir, dp))
+                "--wakeup-address", addresses.ring_wakeup_socket(run_dir, dp), *coordinator)
     if role == WORKER:
         return ("--core-address", addresses.core_worker_socket(run_dir, dp))
-    return ()
+    return ("--input-address", addresses.coordinator_input_socket(run_dir),
+            "--output-address", addresses.coordinator_output_socket(run_dir))
 
 
 def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[str, ...] = (),

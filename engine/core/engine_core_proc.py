@@ -25,7 +25,7 @@ from engine.core.request import RequestUpdate
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.model.config import ModelConfig, eos_token_ids
-from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, Stop, UtilityCall,
+from engine.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Stop, UtilityCall,
                              UtilityResult, WorkersLost, control, encoder, to_core)
 
 log = structlog.get_logger("engine-core")
@@ -51,6 +51,13 @@ class EngineCoreProc:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
             self.clients.append(sock)
+        self.coordinator = None
+        if args.coordinator_address:
+            self.coordinator = self.ctx.socket(zmq.PUSH)
+            self.coordinator.setsockopt(zmq.LINGER, 0)
+            self.coordinator.setsockopt(zmq.SNDHWM, 100)
+            self.coordinator.connect(args.coordinator_address)
+        self.last_load: tuple[int, int] | None = None
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(args.control_address)
@@ -116,14 +123,29 @@ class EngineCoreProc:
                     self.publish(self.core.step())
                 except WorkerGroupFailed as e:
                     self.lose_workers(str(e))
-            if time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+            heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
+            self.report_load(force=heartbeat)
+            if heartbeat:
                 self.say_ready()
                 last_heartbeat = time.monotonic()
+
+    def report_load(self, force: bool = False) -> None:
+        """Tell the coordinator (DP > 1) our queue lengths when they change, and on every heartbeat."""
+        if self.coordinator is None:
+            return
+        stats = self.core.stats()
+        load = (stats.num_waiting, stats.num_running)
+        if force or load != self.last_load:
+            self.last_load = load
+            try:
+                self.coordinator.send(encoder.encode(CoreLoad(self.dp_rank, *load, self.core.num_steps)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no coordinator right now (it restarts alone); the next report goes through
 
     def close(self) -> None:
         if self.group is not None:
             self.group.close(shutdown_workers=True)
-        for sock in (*self.clients, self.control):
+        for sock in (*self.clients, self.control, *([self.coordinator] if self.coordinator else [])):
             sock.close()
         self.ctx.term()
 
@@ -241,6 +263,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Stop")
     p.add_argument("--ring-prefix", required=True, help="/dev/shm name prefix of the step ring, unique per deployment")
     p.add_argument("--wakeup-address", required=True, help="the ring's wakeup socket")
+    p.add_argument("--coordinator-address", default=None, help="where to push our load (DP > 1)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-timeout", type=float, default=120.0,
                    help="how long a lost worker group may take to come back before the core fails")

@@ -1,0 +1,42 @@
+"""The coordinator process: every core's load reaches every API server, fast on change, steady otherwise."""
+
+import subprocess
+import sys
+import time
+
+import zmq
+
+from engine.protocol import CoreLoad, coordinator_out, encoder
+
+
+def test_load_is_published_within_100ms_of_a_change(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "engine.coordinator", "--data-parallel-size", "2",
+                             "--input-address", f"ipc://{tmp_path}/in.sock",
+                             "--output-address", f"ipc://{tmp_path}/out.sock"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tmp_path}/out.sock")
+        push.connect(f"ipc://{tmp_path}/in.sock")
+        assert sub.poll(10_000), "no heartbeat"
+        first = coordinator_out.decode(sub.recv())
+        assert first.ranks == {0: [0, 0], 1: [0, 0]}
+        push.send(b"\xc1 not msgpack")
+        sent = time.monotonic()
+        push.send(encoder.encode(CoreLoad(1, 3, 2, 10)))
+        while True:
+            assert sub.poll(2000)
+            stats = coordinator_out.decode(sub.recv())
+            if stats.ranks[1] == [3, 2]:
+                break
+        assert time.monotonic() - sent < 0.25  # 100 ms publishing interval, plus this machine's scheduling
+        assert stats.ranks[0] == [0, 0]
+    finally:
+        sub.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+        proc.terminate()
+        out, err = proc.communicate(timeout=10)
+    assert b'"event": "ready"' in out and b"dropped malformed message" in out
