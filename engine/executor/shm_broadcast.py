@@ -20,137 +20,30 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
-import re
 import secrets
 import struct
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-import psutil
 import zmq
+
+from engine.executor.shm_segment import (ATTACHED, CLOSED_WORD, DETACHED, Layout, MAGIC, PID_WORD, PeerDied, RingClosed, RingEnd, SHM_DIR, START_WORD, UNATTACHED, check_name, fence, is_alive, remove_stale, start_ms)
 
 __all__ = ["ShmBroadcastWriter", "ShmBroadcastReader", "PeerDied", "RingClosed", "remove_stale"]
 
-SHM_DIR = "/dev/shm"
-MAGIC = int.from_bytes(b"vsupRng1", "little")
-SPIN_S = 100e-6  # spin with sched_yield this long: a worker's next step usually comes within it
-MAX_SLEEP_S = 1e-3  # then sleep, doubling up to this
-BLOCK_AFTER_S = 20e-3  # idle this long, a reader blocks on the wakeup socket
-POLL_S = 0.1  # longest block, and how often a waiter checks that its peers still live
-INIT_GRACE_S = 60.0  # a segment still without a header is stale only once this old
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
-_PID, _START, _CLOSED = 4, 5, 6  # header words
-_UNATTACHED, _ATTACHED, _DETACHED = 0, 1, 2
-_fence_lock = threading.Lock()
 
-
-class PeerDied(RuntimeError):
-    """The process at the other end of the ring died: restart the worker group with a new ring."""
-
-
-class RingClosed(RuntimeError):
-    """The other end closed the ring on purpose."""
-
-
-def _fence() -> None:
-    # Python has no memory barrier; an uncontended lock round trip is an atomic read-modify-write,
-    # which orders the data copy against the seq store, and the sleep-flag handshake.
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"{what} {name!r} must be 1-200 letters, digits, '.', '_' or '-'")
-
-
-def _start_ms(pid: int) -> int:
-    return int(psutil.Process(pid).create_time() * 1000)
-
-
-def _is_alive(pid: int, start_ms: int) -> bool:
-    """False once `pid` is gone, a zombie, or a newer process that reused the number."""
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() * 1000 - start_ms) < 1000
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
-class _Layout:
-    """Word indices and byte offsets of a segment, computed alike by the writer and every reader."""
-
-    def __init__(self, num_readers: int, num_slots: int, slot_bytes: int):
-        self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
-        self.first_slot = -(-(8 + 4 * num_readers) // 8) * 64  # whole cache lines
-        self.slot_header = -(-(2 + num_readers) // 8) * 64
-        # the data of all slots in one run, so that a message that does not wrap is one copy
-        self.first_data = self.first_slot + num_slots * self.slot_header
-        self.end = self.first_data + num_slots * slot_bytes
-        self.size = -(-self.end // 64) * 64
-
-    def reader_word(self, r: int) -> int:
-        return 8 + 4 * r
-
-    def slot_word(self, slot: int) -> int:
-        return (self.first_slot + slot * self.slot_header) // 8
-
-    def data_offset(self, slot: int) -> int:
-        return self.first_data + slot * self.slot_bytes
-
-
-class _End:
-    """What both ends share: the mapping and its word view, the wakeup socket, the wait loop."""
-
-    def __init__(self, name: str, mm: mmap.mmap, layout: _Layout, sock: zmq.Socket):
-        self.name, self.layout, self._mm, self._sock = name, layout, mm, sock
-        self._bytes = memoryview(mm)
-        self._words = self._bytes.cast("Q")  # aligned 8-byte loads and stores: never torn on x86-64
-
-    def _wait(self, is_ready: Callable[[], bool], deadline: float | None, check_peers: Callable[[], None],
-              block: Callable[[float], None] | None = None) -> bool:
-        """Spin, sleep with backoff, then block (if given) until is_ready(); False on timeout."""
-        start = now = time.monotonic()
-        next_check, delay = start + POLL_S, 10e-6
-        while not is_ready():
-            if deadline is not None and now >= deadline:
-                return False
-            if now >= next_check:
-                check_peers()
-                next_check = now + POLL_S
-            if now - start < SPIN_S:
-                os.sched_yield()
-            elif block is None or now - start < BLOCK_AFTER_S:
-                time.sleep(delay)
-                delay = min(2 * delay, MAX_SLEEP_S)
-            else:
-                block(POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - now)))
-            now = time.monotonic()
-        return True
-
-    def _release(self) -> None:
-        self._sock.close(linger=100)  # lets the writer's last wakeup (close) leave
-        self._words.release()
-        self._bytes.release()
-        self._mm.close()
-        self._mm = None
-
-
-class ShmBroadcastWriter(_End):
+class ShmBroadcastWriter(RingEnd):
     """The engine core's end: creates the segment and writes each message once for all readers."""
 
     @classmethod
     def create(cls, prefix: str, num_readers: int, wakeup_address: str, slot_bytes: int = 1 << 20,
                num_slots: int = 8, ctx: zmq.Context | None = None) -> ShmBroadcastWriter:
         """Create `/dev/shm/<prefix>-<nonce>` and bind the wakeup PUB socket at `wakeup_address`."""
-        _check_name(prefix, "prefix")
+        check_name(prefix, "prefix")
         if min(num_readers, slot_bytes, num_slots) < 1:
             raise ValueError(f"num_readers={num_readers}, slot_bytes={slot_bytes} and num_slots={num_slots} "
                              "must all be at least 1")
-        layout = _Layout(num_readers, num_slots, slot_bytes)
+        layout = Layout(num_readers, num_slots, slot_bytes)
         name = f"{prefix}-{secrets.token_hex(6)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -163,11 +56,11 @@ class ShmBroadcastWriter(_End):
                           "(lower slot_bytes or num_slots, or enlarge /dev/shm; docker: --shm-size)") from None
         finally:
             os.close(fd)
-        words = [MAGIC, num_readers, num_slots, slot_bytes, os.getpid(), _start_ms(os.getpid())]
+        words = [MAGIC, num_readers, num_slots, slot_bytes, os.getpid(), start_ms(os.getpid())]
         mm[:48] = struct.pack("<6Q", *words)
         return cls(name, mm, layout, (ctx or zmq.Context.instance()).socket(zmq.PUB), wakeup_address)
 
-    def __init__(self, name: str, mm: mmap.mmap, layout: _Layout, sock: zmq.Socket, wakeup_address: str):
+    def __init__(self, name: str, mm: mmap.mmap, layout: Layout, sock: zmq.Socket, wakeup_address: str):
         super().__init__(name, mm, layout, sock)
         self._owner_pid = os.getpid()  # a forked child must not unlink its parent's ring
         self._next_seq, self._is_broken = 1, False
@@ -184,9 +77,9 @@ class ShmBroadcastWriter(_End):
         state = [self.layout.reader_word(r) + 2 for r in range(self.layout.num_readers)]
         deadline = None if timeout is None else time.monotonic() + timeout
         everyone = range(self.layout.num_readers)
-        if not self._wait(lambda: all(self._words[w] != _UNATTACHED for w in state), deadline,
+        if not self._wait(lambda: all(self._words[w] != UNATTACHED for w in state), deadline,
                           lambda: self._check_readers(everyone)):
-            missing = [r for r, w in enumerate(state) if self._words[w] == _UNATTACHED]
+            missing = [r for r, w in enumerate(state) if self._words[w] == UNATTACHED]
             raise TimeoutError(f"readers {missing} of ring {self.name!r} did not attach within {timeout} s")
         self._check_readers(everyone)
 
@@ -208,11 +101,11 @@ class ShmBroadcastWriter(_End):
                 self._is_broken = False
             slot = (seq - 1) % layout.num_slots
             offset, part = layout.data_offset(slot), view[c * layout.slot_bytes:(c + 1) * layout.slot_bytes]
-            _fence()
+            fence()
             self._mm[offset:offset + part.nbytes] = part
             word = layout.slot_word(slot)
             self._words[word + 1] = view.nbytes
-            _fence()
+            fence()
             self._words[word], self._next_seq = seq, seq + 1
             self._wake_sleepers()
 
@@ -228,13 +121,13 @@ class ShmBroadcastWriter(_End):
         for r in readers:
             word = self.layout.reader_word(r)
             pid, start, state = self._words[word], self._words[word + 1], self._words[word + 2]
-            if state == _DETACHED:
+            if state == DETACHED:
                 raise RingClosed(f"reader {r} (pid {pid}) closed ring {self.name!r}")
-            if state == _ATTACHED and not _is_alive(pid, start):
+            if state == ATTACHED and not is_alive(pid, start):
                 raise PeerDied(f"reader {r} (pid {pid}) of ring {self.name!r} died")
 
     def _wake_sleepers(self) -> None:
-        _fence()  # our seq store before we read their flags; sleeping readers do the reverse
+        fence()  # our seq store before we read their flags; sleeping readers do the reverse
         if any(self._words[w] for w in self._sleep_words):
             try:
                 self._sock.send(b"", zmq.NOBLOCK)
@@ -255,20 +148,20 @@ class ShmBroadcastWriter(_End):
             return
         atexit.unregister(self.close)
         if os.getpid() == self._owner_pid:
-            self._words[_CLOSED] = 1
+            self._words[CLOSED_WORD] = 1
             self._wake_sleepers()
             self.unlink()
         self._release()
 
 
-class ShmBroadcastReader(_End):
+class ShmBroadcastReader(RingEnd):
     """A worker's end: attaches to a ring by name and reads every message once, in order."""
 
     @classmethod
     def attach(cls, name: str, reader_index: int, wakeup_address: str,
                ctx: zmq.Context | None = None) -> ShmBroadcastReader:
         """Map ring `name` as reader `reader_index` and subscribe to its wakeups at `wakeup_address`."""
-        _check_name(name, "ring name")
+        check_name(name, "ring name")
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         except FileNotFoundError:
@@ -276,7 +169,7 @@ class ShmBroadcastReader(_End):
                                     "unlink() (readers must attach before wait_for_readers returns)") from None
         try:
             magic, num_readers, num_slots, slot_bytes = struct.unpack("<4Q", os.pread(fd, 32, 0).ljust(32, b"\0"))
-            layout = _Layout(num_readers, num_slots, slot_bytes)
+            layout = Layout(num_readers, num_slots, slot_bytes)
             if magic != MAGIC or layout.size != os.fstat(fd).st_size:
                 raise ValueError(f"{SHM_DIR}/{name} is not a vsup broadcast ring")
             if not 0 <= reader_index < num_readers:
@@ -290,7 +183,7 @@ class ShmBroadcastReader(_End):
         sock.connect(wakeup_address)
         return cls(name, mm, layout, sock, reader_index)
 
-    def __init__(self, name: str, mm: mmap.mmap, layout: _Layout, sock: zmq.Socket, reader_index: int):
+    def __init__(self, name: str, mm: mmap.mmap, layout: Layout, sock: zmq.Socket, reader_index: int):
         super().__init__(name, mm, layout, sock)
         self.reader_index, word = reader_index, layout.reader_word(reader_index)
         self._state_word, self._sleep_word = word + 2, word + 3
@@ -299,14 +192,14 @@ class ShmBroadcastReader(_End):
         except PeerDied:
             self._release()
             raise
-        if self._words[self._state_word] != _UNATTACHED:
+        if self._words[self._state_word] != UNATTACHED:
             pid = self._words[word]
             self._release()
             raise RuntimeError(f"reader {reader_index} of ring {name!r} was attached before (pid {pid}); "
                                "a restarted worker group needs a new ring")
-        self._words[word], self._words[word + 1] = os.getpid(), _start_ms(os.getpid())
-        _fence()
-        self._words[self._state_word] = _ATTACHED
+        self._words[word], self._words[word + 1] = os.getpid(), start_ms(os.getpid())
+        fence()
+        self._words[self._state_word] = ATTACHED
         self._next_seq, self._parts, self._remaining, self._is_sleeping = 1, [], None, False
 
     def dequeue(self, timeout: float | None = None) -> bytes:
@@ -341,7 +234,7 @@ class ShmBroadcastReader(_End):
         word = self.layout.slot_word((seq - 1) % self.layout.num_slots)
         if not self._wait(lambda: self._is_written(word, seq), deadline, self._check_writer, self._block):
             raise TimeoutError(f"no message on ring {self.name!r} within {timeout} s")
-        _fence()  # the seq before the data it vouches for
+        fence()  # the seq before the data it vouches for
         assert self._words[word] == seq, "the writer overwrote a slot before this reader read it"
         return word
 
@@ -355,7 +248,7 @@ class ShmBroadcastReader(_End):
         return data
 
     def _mark_read(self, first: int, num_chunks: int) -> None:
-        _fence()  # our copy is done before the writer may reuse the slots
+        fence()  # our copy is done before the writer may reuse the slots
         for seq in range(first, first + num_chunks):
             self._words[self.layout.slot_word((seq - 1) % self.layout.num_slots) + 2 + self.reader_index] = seq
         self._next_seq = first + num_chunks
@@ -363,22 +256,22 @@ class ShmBroadcastReader(_End):
     def _is_written(self, word: int, seq: int) -> bool:
         if self._words[word] >= seq:
             return True
-        if self._words[_CLOSED]:
-            _fence()  # the writer stored its last seq before is_closed: look once more
+        if self._words[CLOSED_WORD]:
+            fence()  # the writer stored its last seq before is_closed: look once more
             if self._words[word] >= seq:
                 return True
             raise RingClosed(f"the writer closed ring {self.name!r}")
         return False
 
     def _check_writer(self) -> None:
-        pid, start = self._words[_PID], self._words[_START]
-        if not _is_alive(pid, start):
+        pid, start = self._words[PID_WORD], self._words[START_WORD]
+        if not is_alive(pid, start):
             raise PeerDied(f"the writer (engine core, pid {pid}) of ring {self.name!r} died")
 
     def _block(self, timeout_s: float) -> None:
         if not self._is_sleeping:
             self._words[self._sleep_word], self._is_sleeping = 1, True
-            _fence()
+            fence()
             return  # look at the ring once more: a write made before the writer saw the flag sent no wakeup
         if self._sock.poll(int(timeout_s * 1000)):
             self._sock.recv(zmq.NOBLOCK)
@@ -386,25 +279,5 @@ class ShmBroadcastReader(_End):
     def close(self) -> None:
         """Mark this reader detached (a writer waiting on it raises RingClosed) and unmap it."""
         if self._mm is not None:
-            self._words[self._sleep_word], self._words[self._state_word] = 0, _DETACHED
+            self._words[self._sleep_word], self._words[self._state_word] = 0, DETACHED
             self._release()
-
-
-def remove_stale(prefix: str) -> list[str]:
-    """Delete the `/dev/shm/<prefix>*` rings whose writer is dead (the supervisor calls it after a
-    crash); rings of live writers and files that are not rings stay. Returns the names removed."""
-    _check_name(prefix, "prefix")
-    removed = []
-    for entry in os.scandir(SHM_DIR):
-        try:
-            if not entry.name.startswith(prefix):
-                continue
-            with open(entry.path, "rb") as f:
-                magic, *_, pid, start = struct.unpack("<6Q", f.read(48).ljust(48, b"\0"))
-            is_orphan = magic == 0 and time.time() - entry.stat().st_mtime > INIT_GRACE_S  # died before writing it
-            if not _is_alive(pid, start) if magic == MAGIC else is_orphan:
-                os.unlink(entry.path)
-                removed.append(entry.name)
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return removed

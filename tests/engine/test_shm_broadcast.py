@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.executor import shm_broadcast
+from engine.executor import shm_broadcast, shm_segment
 from engine.executor.shm_broadcast import (PeerDied, RingClosed, ShmBroadcastReader, ShmBroadcastWriter,
                                            remove_stale)
 
@@ -191,7 +191,7 @@ def test_an_idle_reader_uses_almost_no_cpu(prefix, address, children):
 
 
 def test_a_blocked_reader_is_woken_by_the_socket_not_the_poll_timeout(prefix, address, monkeypatch):
-    monkeypatch.setattr(shm_broadcast, "POLL_S", 5.0)  # a lost wakeup would now cost seconds
+    monkeypatch.setattr(shm_segment, "POLL_S", 5.0)  # a lost wakeup would now cost seconds
     writer = ShmBroadcastWriter.create(prefix, 1, address, slot_bytes=64)
     reader = ShmBroadcastReader.attach(writer.name, 0, address)
     received: queue.Queue = queue.Queue()
