@@ -30,3 +30,12 @@ test: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# completions/ and man/vsup.1 are generated from the app; tests fail when they are stale
+.PHONY: completions man
+
+completions: install
+	$(BIN)/python completions/generate.py
+
+man: install
+	$(BIN)/python man/generate.py

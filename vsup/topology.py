@@ -235,7 +235,7 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
         title = process_title(name)
         meet = meeting_args(config, role, run_dir, deployment, **ranks) if run_dir is not None else ()
         argv = (python, "-m", ENTRY_POINTS[role], *rank_args, *meet, *common)
-        env = {"VSUP_ROLE": role, "VSUP_PROCESS_NAME": name, "VSUP_PROCESS_TITLE": title}
+        env = {"VSUP_PROCESS_NAME": name, "VSUP_PROCESS_TITLE": title}
         return ProcessSpec(role=role, name=name, title=title, node=node, device=device,
                            argv=argv, env=env, **ranks)
 

@@ -16,14 +16,14 @@ app = typer.Typer()
 @app.command()
 def logs(
     name: o.Name = "default",
-    role: str = typer.Option(None, "--role", help="api-server, engine-core, worker, coordinator or supervisor."),
-    dp: int = typer.Option(None, "--dp", help="Only this data-parallel rank."),
-    pp: int = typer.Option(None, "--pp", help="Only this pipeline stage."),
-    tp: int = typer.Option(None, "--tp", help="Only this tensor-parallel rank."),
-    level: str = typer.Option(None, "--level", help="This level and above: debug, info, warning, error."),
-    since: str = typer.Option(None, "--since", help="Lines from the last 30s, 10m, 2h, 1d, or since an ISO time."),
-    lines: int = typer.Option(None, "-n", "--lines", help="Only the last N matching lines."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines as they come."),
+    role: o.Role = None,
+    dp: o.DpRank = None,
+    pp: o.PpRank = None,
+    tp: o.TpRank = None,
+    level: o.Level = None,
+    since: o.Since = None,
+    lines: o.Lines = None,
+    follow: o.Follow = False,
     as_json: o.Json = False,
 ) -> None:
     """Print the deployment's log (logs/vsup.jsonl in its run dir), every line tagged with who wrote it."""

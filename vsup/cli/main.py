@@ -49,10 +49,12 @@ def main(
 def run() -> None:
     """Console entry: mistakes become one line on stderr and exit status 2, never a traceback."""
     command = " ".join(["vsup", *[a for a in sys.argv[1:2] if not a.startswith("-")]])
+    state: dict = {}  # --config leaves what it read here, so that an error can name the file that set the value
     try:
-        code = app(prog_name="vsup", standalone_mode=False)
+        code = app(prog_name="vsup", standalone_mode=False, obj=state)
     except (UsageError, NoDeployment) as e:
-        typer.echo(f"{command}: error: {e}", err=True)
+        message = state["config"].explain(str(e)) if "config" in state else str(e)
+        typer.echo(f"{command}: error: {message}", err=True)
         sys.exit(e.exit_code)
     except ClickException as e:
         hint = f" (see '{command} --help')" if e.exit_code == 2 else ""

@@ -36,7 +36,8 @@ def _option(*decls: str, help: str, panel: str | None = None, envvar: str | None
 
 Model = Annotated[Optional[str], typer.Argument(
     help="A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
-         "With it, plan also works out the memory per worker and the token capacity.",
+         "plan works out the memory per worker and the token capacity for it; serve serves it "
+         "(without one, SmolLM2-135M-Instruct).",
     show_default=False, metavar="MODEL")]
 
 TensorParallelSize = Annotated[int, _option(
@@ -82,7 +83,7 @@ GpuMemoryUtilization = Annotated[float, _option(
     "--gpu-memory-utilization", panel=MEMORY,
     help="Share of each GPU's memory that weights and KV cache may use.")]
 
-Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+Json = Annotated[bool, _option("--json", help="Print JSON instead of text.")]
 
 SERVING = "Serving"
 SUPERVISION = "Supervision"
@@ -127,3 +128,34 @@ StartupTimeout = Annotated[float, _option(
 LogFormatOpt = Annotated[LogFormat, _option(
     "--log-format", case_sensitive=False,
     help="Console output: auto (coloured text on a TTY, plain text otherwise), text or json.")]
+
+
+def _load_config(ctx, param, value):
+    if value is None:  # click calls back without a file too; the loader stays unimported
+        return value
+    from vsup.cli.config_file import load_into_context
+
+    return load_into_context(ctx, param, value)
+
+
+Config = Annotated[Optional[str], _option(
+    "--config", metavar="FILE", show_default=False, is_eager=True, callback=_load_config,
+    help="Read option values from a TOML (.toml) or YAML (.yaml, .yml) file whose keys are long option names "
+         "(tensor-parallel-size or tensor_parallel_size; model for MODEL). Flags and VSUP_* variables win over "
+         "the file; plan skips the keys only serve takes.")]
+
+# what `logs`, `restart` and `stop` select
+
+Role = Annotated[Optional[str], _option(
+    "--role", show_default=False, help="api-server, engine-core, worker, coordinator (logs: or supervisor).")]
+DpRank = Annotated[Optional[int], _option("--dp", show_default=False, help="Only this data-parallel rank.")]
+PpRank = Annotated[Optional[int], _option("--pp", show_default=False, help="Only this pipeline stage.")]
+TpRank = Annotated[Optional[int], _option("--tp", show_default=False, help="Only this tensor-parallel rank.")]
+Level = Annotated[Optional[str], _option(
+    "--level", show_default=False, help="This level and above: debug, info, warning, error.")]
+Since = Annotated[Optional[str], _option(
+    "--since", show_default=False, help="Lines from the last 30s, 10m, 2h, 1d, or since an ISO time.")]
+Lines = Annotated[Optional[int], _option("-n", "--lines", show_default=False, help="Only the last N matching lines.")]
+Follow = Annotated[bool, _option("-f", "--follow", help="Keep printing new lines as they come.")]
+StopWait = Annotated[float, _option("--timeout", envvar="VSUP_STOP_WAIT",
+                                    help="Seconds `vsup stop` waits for the tree to end.")]

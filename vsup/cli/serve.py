@@ -16,6 +16,7 @@ app = typer.Typer()
 @app.command()
 def serve(
     model: o.Model = None,
+    config: o.Config = None,
     tensor_parallel_size: o.TensorParallelSize = 1,
     pipeline_parallel_size: o.PipelineParallelSize = 1,
     data_parallel_size: o.DataParallelSize = 1,

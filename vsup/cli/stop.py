@@ -15,8 +15,7 @@ ROLES = ("api-server", "engine-core", "worker", "coordinator")
 
 
 @app.command()
-def stop(name: o.Name = "default",
-         timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the tree to end.")) -> None:
+def stop(name: o.Name = "default", timeout: o.StopWait = 120.0) -> None:
     """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
@@ -38,14 +37,12 @@ def stop(name: o.Name = "default",
 
 
 @app.command()
-def restart(role: str = typer.Option(..., "--role", help=f"Which processes: {', '.join(ROLES)}."),
-            dp: int = typer.Option(None, "--dp", help="Only this data-parallel rank."),
-            name: o.Name = "default") -> None:
+def restart(role: o.Role = None, dp: o.DpRank = None, name: o.Name = "default") -> None:
     """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group)."""
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
 
-    if role not in ROLES:
+    if role not in ROLES:  # None too: --role is required
         raise UsageError(f"--role must be one of {', '.join(ROLES)} (got {role!r})")
     run_dir = RunDir(name).require()
     try:

@@ -1,0 +1,1 @@
+complete --command vsup --no-files --arguments "(env _VSUP_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) vsup)" --condition "env _VSUP_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) vsup"
