@@ -249,7 +249,7 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
         # the engine core runs inside the API server; with TP = PP = 1 the worker too
         inside = config.workers_per_engine == 1
         processes = [spec(API_SERVER, 0, device_of(0, 0, 0) if inside else None,
-                          ("--api-server-rank", "0", "--no-multiprocessing"), a=0)]
+                          ("--api-server-rank", "0", "--api-server-count", "1", "--no-multiprocessing"), a=0)]
         if not inside:
             processes += [spec(WORKER, 0, device_of(0, pp, tp),
                                ("--dp-rank", "0", "--pp-rank", str(pp), "--tp-rank", str(tp),
@@ -260,7 +260,8 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
     first = config.dp_start_rank
     dp_ranks = range(first, dp_size) if not config.headless else range(first, first + config.dp_size_local)
     head = config.node_of(first)
-    processes = [spec(API_SERVER, head, None, ("--api-server-rank", str(a)), a=a)
+    processes = [spec(API_SERVER, head, None,
+                      ("--api-server-rank", str(a), "--api-server-count", str(config.num_api_servers)), a=a)
                  for a in range(config.num_api_servers)]
     processes += [spec(ENGINE_CORE, config.node_of(dp), None, ("--dp-rank", str(dp)), dp=dp)
                   for dp in dp_ranks]

@@ -38,6 +38,8 @@ class EngineCore:
         """
         try:
             add.sampling.validate()
+            if add.sampling.top_k > self.vocab_size:
+                raise ValueError(f"top_k must be at most the vocabulary size {self.vocab_size}, got {add.sampling.top_k}")
             bad = [t for t in (*add.prompt_token_ids, *add.output_token_ids) if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")

@@ -79,7 +79,8 @@ def serve(
 
     engine_args = ["--model", model_dir, "--served-model-name", served_model_name or os.path.basename(model_dir),
                    "--host", host, "--port", str(port), "--dtype", memory.dtype, "--max-num-seqs", str(max_num_seqs),
-                   "--kv-cache-bytes", str(memory.stages[0].kv_cache_bytes), "--seed", str(seed)]
+                   "--kv-cache-bytes", str(memory.stages[0].kv_cache_bytes), "--seed", str(seed),
+                   "--drain-timeout", str(drain_timeout)]
     if max_model_len:
         engine_args += ["--max-model-len", str(max_model_len)]
     if not multiprocessing:

@@ -1,0 +1,211 @@
+"""`EngineClient`: the API server's asyncio ZeroMQ link to its engine cores.
+
+The API server binds one ROUTER; each DP rank's engine core connects a
+DEALER with identity `dp<rank>`. Requests go to the least-loaded rank that
+can take them. When a core says Hello with a new instance id, it replaced
+one that died: every request that ran there is resubmitted with the tokens
+already received, so the client's stream goes on. A rank that says Failed is
+routed around, and its requests move to another rank.
+
+Its public API is ClientBase's (client_base.py), shared with InprocClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from engine.api_server.client_base import ClientBase
+from engine.api_server.dp_ranks import EngineUnavailable
+from engine.api_server.request_stream import RequestStream
+from engine.core.request import FinishReason
+from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, UtilityCall,
+                             UtilityResult, encoder, from_core)
+from engine.sampling.params import SamplingParams
+
+log = structlog.get_logger("api-server")
+
+__all__ = ["EngineClient", "EngineUnavailable"]
+
+
+class EngineClient(ClientBase):
+    """Sends requests to the DP ranks' engine cores and routes their outputs back to streams."""
+
+    def __init__(self, address: str, data_parallel_size: int = 1, *, heartbeat_timeout_s: float = 5.0):
+        super().__init__(data_parallel_size, heartbeat_timeout_s)
+        self.address = address
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task | None = None
+
+    # lifecycle
+
+    async def start(self) -> None:
+        """Bind the ROUTER the engine cores connect to, and start reading it."""
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished core raises instead of vanishing
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a replacement core takes over its identity at once
+        sock.bind(self.address)
+        self._sock = sock
+        self._receiver = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+        log.info("waiting for engine cores", address=self.address, data_parallel_size=len(self.ranks.ranks))
+
+    async def close(self) -> None:
+        """Abort what is still running (the cores would otherwise finish it for nobody), then close."""
+        for stream in list(self.requests.values()):
+            self.abort(stream)
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._ctx.term()
+            self._sock = None
+
+    # requests
+
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                    req_id: str | None = None) -> RequestStream:
+        """Send a request to the least-loaded rank; raises EngineUnavailable when none can take it."""
+        stream = RequestStream(req_id or uuid.uuid4().hex, prompt_token_ids, sampling, self.abort)
+        self._submit(stream, self.ranks.choose())
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Finish the stream here at once and tell its core; late outputs for it are dropped."""
+        if stream.is_finished:
+            return
+        self._forget(stream)
+        if stream.dp_rank is not None:
+            self._send(stream.dp_rank, AbortRequests([stream.wire_id]))
+        stream.finish(FinishReason.ABORT)
+
+    async def call_utility(self, method: str, *args, dp_rank: int | None = None, timeout_s: float = 5.0):
+        """Call an engine-core method (`get_stats`, `ping`) on one rank and return its result."""
+        dp_rank = self.ranks.choose() if dp_rank is None else dp_rank
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            if not self._send(dp_rank, UtilityCall(call_id, method, list(args))):
+                raise EngineUnavailable(f"engine core dp{dp_rank} is not connected")
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # sending
+
+    def _submit(self, stream: RequestStream, dp_rank: int) -> None:
+        """(Re)send a request: a resubmission carries the tokens received so far under a new wire id."""
+        self._forget(stream)
+        stream.num_submissions += 1
+        stream.wire_id = stream.req_id if stream.num_submissions == 1 else f"{stream.req_id}~{stream.num_submissions}"
+        self._track(stream, dp_rank)
+        add = AddRequest(stream.wire_id, stream.prompt_token_ids, stream.sampling,
+                         output_token_ids=list(stream.output_token_ids), arrival_time=stream.arrival_time)
+        if not self._send(dp_rank, add):
+            # its core is gone: try another rank; with none, it waits here for the replacement's Hello
+            try:
+                other = self.ranks.choose(exclude=frozenset({dp_rank}))
+            except EngineUnavailable:
+                return
+            self._submit(stream, other)
+
+    def _send(self, dp_rank: int, msg) -> bool:
+        """Send without waiting; False when the rank's core is not connected."""
+        if self._sock is None:
+            return False
+        try:
+            sent = self._sock.send_multipart([f"dp{dp_rank}".encode(), encoder.encode(msg)])
+        except zmq.ZMQError as e:
+            sent = None
+            error = e
+        else:
+            error = sent.exception() if sent.done() else None
+            if not sent.done():  # the pipe is full: it goes once there is room
+                sent.add_done_callback(lambda f: f.exception() and log.warning(
+                    "send to engine core failed", dp_rank=dp_rank, error=str(f.exception())))
+        if error is not None:
+            log.warning("engine core unreachable", dp_rank=dp_rank, error=str(error), kind=type(msg).__name__)
+            self.ranks.get(dp_rank).last_heard = None
+            return False
+        return True
+
+    # receiving
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                log.warning("dropped malformed message", num_frames=len(frames))
+                continue
+            try:
+                msg = from_core.decode(frames[1])
+            except msgspec.DecodeError as e:
+                log.warning("dropped malformed message", sender=frames[0].decode(errors="replace"), error=str(e))
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop every stream
+                log.exception("failed to handle a message from an engine core", kind=type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Outputs):
+            self._deliver(msg.dp_rank, msg.outputs, msg.stats)
+        elif isinstance(msg, Ready):
+            if self.ranks.get(msg.dp_rank).instance != msg.instance:
+                self._on_hello(msg.dp_rank, msg.instance, None)
+            if self.ranks.on_ready(msg.dp_rank, msg.max_model_len):
+                log.info("engine core ready", dp_rank=msg.dp_rank, max_model_len=msg.max_model_len,
+                         num_blocks=msg.num_blocks)
+        elif isinstance(msg, Hello):
+            self._on_hello(msg.dp_rank, msg.instance, msg.pid)
+        elif isinstance(msg, Failed):
+            self._on_failed(msg.dp_rank, msg.error)
+        elif isinstance(msg, UtilityResult):
+            future = self._calls.get(msg.call_id)
+            if future is not None and not future.done():
+                if msg.error is not None:
+                    future.set_exception(RuntimeError(msg.error))
+                else:
+                    future.set_result(msg.result)
+
+    def _on_hello(self, dp_rank: int, instance: str, pid: int | None) -> None:
+        replaced = self.ranks.on_hello(dp_rank, instance, pid)
+        log.info("engine core says hello", dp_rank=dp_rank, pid=pid, replaced=replaced)
+        if not replaced:
+            return
+        if self.on_restart is not None:
+            self.on_restart("engine-core")
+        held = [s for s in self.requests.values() if s.dp_rank == dp_rank]
+        if held:
+            log.warning("engine core was replaced; resubmitting its requests", dp_rank=dp_rank,
+                        num_requests=len(held))
+        for stream in held:
+            try:
+                self._submit(stream, self.ranks.choose())
+            except EngineUnavailable as e:
+                self._forget(stream)
+                stream.finish(FinishReason.ERROR, str(e))
+
+    def _on_failed(self, dp_rank: int, error: str) -> None:
+        self.ranks.on_failed(dp_rank, error)
+        held = [s for s in self.requests.values() if s.dp_rank == dp_rank]
+        log.error("engine core failed; routing around it", dp_rank=dp_rank, error=error, num_requests=len(held))
+        for stream in held:
+            try:
+                self._submit(stream, self.ranks.choose(exclude=frozenset({dp_rank})))
+            except EngineUnavailable as e:
+                self._forget(stream)
+                stream.finish(FinishReason.ERROR, f"engine core dp{dp_rank} failed: {error}; {e}")

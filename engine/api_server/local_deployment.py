@@ -1,0 +1,215 @@
+"""A whole serving tree on this machine without vsup: for tests and benchmarks of the API server.
+
+`LocalDeployment` starts API servers, engine cores and their workers with
+the argv the supervisor uses, and plays supervisor where a test needs it
+(kill -9 of a core, a replacement). Each process writes its log to
+`<run_dir>/logs/<name>.log`, never to a pipe nobody drains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+TEST_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+# the UTF-8 bytes of é, 😀 and 你: a random model strings them into whole and broken characters
+MULTIBYTE_PIECES = [bytes([b]) for b in "é😀你".encode()]
+WORDS = ("the of and to in is it that was for on are with as his they be at one have this from or had by hot "
+         "word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two "
+         "has look more day could go come did number sound no most people my over know water than call first who "
+         "may down side been now find").split()
+
+
+def tiny_vocabulary() -> list[bytes]:
+    """256 pieces: <unk> <s> </s>, printable ASCII and newline, nine bytes of multi-byte
+    characters, then whole words, so that a random model writes mostly readable text."""
+    pieces = [bytes([c]) for c in range(32, 127)] + [b"\n"] + MULTIBYTE_PIECES
+    pieces += [f" {w}".encode() for w in WORDS]
+    pieces += [f"{a}{b}".encode() for a in "etaoinsrh" for b in "etaoinsrh"]  # bigrams fill up
+    return pieces[:253]
+
+
+def with_test_tokenizer(model_dir: str | Path, dest: str | Path) -> Path:
+    """A copy of a tokenizer-less test model (vocabulary 256) with a tokenizer and a chat template.
+
+    Ids 0, 1, 2 are <unk>, <s>, </s> (Llama's defaults); the rest are
+    `tiny_vocabulary()`. Prompts encode character by character (no merges);
+    outputs decode words, and broken or whole multi-byte characters.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    dest = Path(dest)
+    shutil.copytree(model_dir, dest, dirs_exist_ok=True)
+    to_char = _gpt2_bytes_to_unicode()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for piece in tiny_vocabulary():
+        vocab["".join(to_char[b] for b in piece)] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tokenizer.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEST_CHAT_TEMPLATE}))
+    return dest
+
+
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalDeployment:
+    """A API servers, D engine cores, one worker per core (TP = PP = 1), on 127.0.0.1:port."""
+
+    def __init__(self, model_dir: str | Path, run_dir: str | Path, *, num_api_servers: int = 1,
+                 data_parallel_size: int = 1, port: int | None = None, served_model_name: str = "model",
+                 max_model_len: int | None = None, kv_cache_bytes: int = 4 << 20, block_size: int = 16,
+                 api_args: tuple[str, ...] = (), core_args: tuple[str, ...] = (), env: dict | None = None):
+        self.model_dir, self.run_dir = str(model_dir), Path(run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.num_api_servers, self.data_parallel_size = num_api_servers, data_parallel_size
+        self.port = port or free_port()
+        self.served_model_name = served_model_name
+        self.max_model_len, self.kv_cache_bytes, self.block_size = max_model_len, kv_cache_bytes, block_size
+        self.api_args, self.core_args = tuple(api_args), tuple(core_args)
+        self.env = {**os.environ, **(env or {})}
+        self.tag = uuid.uuid4().hex[:8]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.replaced: list[subprocess.Popen] = []  # earlier holders of a name, still to be reaped
+        self.generation = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def engine_address(self, a: int) -> str:
+        return f"ipc://{self.run_dir}/a{a}-engines.sock"
+
+    # starting
+
+    def start(self, in_process: bool = False) -> LocalDeployment:
+        """Start everything (or one in-process API server); `wait_ready` waits for /health."""
+        if in_process:
+            self.spawn("a0", self.api_server_argv(0) + ["--no-multiprocessing", "--kv-cache-bytes",
+                                                       str(self.kv_cache_bytes), "--block-size", str(self.block_size)])
+            return self
+        self.start_api_servers()
+        for dp in range(self.data_parallel_size):
+            self.start_core(dp)
+        return self
+
+    def start_api_servers(self) -> None:
+        """Only the API servers: /health says 503 until a core is started."""
+        for a in range(self.num_api_servers):
+            self.spawn(f"a{a}", self.api_server_argv(a))
+
+    def api_server_argv(self, a: int) -> list[str]:
+        argv = ["-m", "engine.api_server", "--api-server-rank", str(a), "--api-server-count",
+                str(self.num_api_servers), "--data-parallel-size", str(self.data_parallel_size),
+                "--model", self.model_dir, "--served-model-name", self.served_model_name, "--host", "127.0.0.1",
+                "--port", str(self.port), "--engine-address", self.engine_address(a), *self.api_args]
+        return argv + (["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
+
+    def start_core(self, dp: int) -> None:
+        """Start (or replace) DP rank `dp`'s engine core and its worker."""
+        self.generation += 1
+        run = self.run_dir
+        argv = ["-m", "engine.core", "--model", self.model_dir, "--dp-rank", str(dp),
+                "--data-parallel-size", str(self.data_parallel_size),
+                *[a for i in range(self.num_api_servers) for a in ("--api-server-address", self.engine_address(i))],
+                "--worker-address", f"ipc://{run}/dp{dp}-workers.sock",
+                "--control-address", f"ipc://{run}/dp{dp}-control.sock",
+                "--ring-prefix", f"vsup-test-{self.tag}-dp{dp}", "--wakeup-address", f"ipc://{run}/dp{dp}-wake.sock",
+                "--block-size", str(self.block_size), "--max-num-batched-tokens", "256", *self.core_args]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        self.spawn(f"core-dp{dp}", argv)
+        self.spawn(f"worker-dp{dp}", [
+            "-m", "engine.worker", "--model", self.model_dir, "--dp-rank", str(dp), "--tp-rank", "0",
+            "--kv-cache-bytes", str(self.kv_cache_bytes), "--block-size", str(self.block_size),
+            "--core-address", f"ipc://{run}/dp{dp}-workers.sock",
+            "--dist-init-method", f"file://{run}/dist-dp{dp}-{self.generation}", "--num-threads", "1"])
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """`python argv...` with its output in logs/<name>.log; replaces an earlier holder of the name."""
+        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        if name in self.procs:
+            self.replaced.append(self.procs[name])
+        self.procs[name] = proc
+        return proc
+
+    def wait_ready(self, timeout_s: float = 120.0, base_url: str | None = None) -> dict:
+        """Wait until /health says 200; raise with the logs' tails if a process died or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            if dead:
+                raise RuntimeError(f"exited: {dead}\n{self.log_tails()}")
+            try:
+                with urllib.request.urlopen(f"{base_url or self.url}/health", timeout=2) as response:
+                    return json.loads(response.read())
+            except (OSError, ValueError):  # not listening yet, or 503 (HTTPError is an OSError)
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready within {timeout_s} s\n{self.log_tails()}")
+
+    # playing supervisor
+
+    def kill(self, name: str) -> None:
+        """kill -9 one process and reap it."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def stop(self, timeout_s: float = 20.0) -> dict[str, int]:
+        """SIGTERM everything, SIGKILL what lingers; returns each process's exit code."""
+        procs = [*self.procs.items(), *((f"replaced-{i}", p) for i, p in enumerate(self.replaced))]
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for name, proc in procs:
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+    def log(self, name: str) -> str:
+        """Everything process `name` (and its earlier holders) wrote."""
+        path = self.run_dir / "logs" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tails(self, num_lines: int = 15) -> str:
+        return "\n".join(f"--- {n}\n" + "\n".join(self.log(n).splitlines()[-num_lines:]) for n in self.procs)
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

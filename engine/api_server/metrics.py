@@ -1,0 +1,121 @@
+"""Prometheus metrics of one API server: request latencies and tokens it saw, the cores' load.
+
+Each API server has its own registry (tests run several in one process);
+`/metrics` refreshes the cores' scheduler stats first, so running, waiting
+and KV cache usage are those of the scrape, not of the last output.
+
+Restarts: `vsup_restarts_total{role}` counts the engine cores this API
+server saw replaced (a Hello with a new instance id). `record_restart(role)`
+is the hook for what only the supervisor knows (workers, coordinator, API
+servers); it reaches an API server through whatever channel calls it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.api_server.request_stream import RequestStream
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+ROLES = ("api-server", "engine-core", "worker", "coordinator")
+
+
+class Metrics:
+    """The counters and histograms the generation routes feed, and the engine stats collector."""
+
+    def __init__(self, client):
+        self.client = client
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "vsup_time_to_first_token_seconds", "Time from request arrival to its first token.",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "vsup_inter_token_latency_seconds", "Time between successive tokens of a request.",
+            buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "vsup_e2e_request_latency_seconds", "Time from request arrival to its end.",
+            buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vsup_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("vsup_generation_tokens", "Tokens generated.", registry=r)
+        self.requests_finished = Counter("vsup_requests_finished", "Finished engine requests by reason.",
+                                         ["finish_reason"], registry=r)
+        self.restarts = Counter("vsup_restarts", "Processes restarted, by role.", ["role"], registry=r)
+        for role in ROLES:
+            self.restarts.labels(role=role)  # every role shows, at 0, before its first restart
+        r.register(EngineStatsCollector(client))
+
+    # what the routes report
+
+    def on_first_token(self, seconds: float) -> None:
+        """A request's first token arrived `seconds` after the request."""
+        self.time_to_first_token.observe(seconds)
+
+    def on_inter_token(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together after `seconds`: each waited its share."""
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(seconds / num_tokens)
+
+    def on_finish(self, stream: RequestStream, num_output_tokens: int, finish_reason: str) -> None:
+        """A choice ended: its latency, its tokens, why."""
+        self.e2e_request_latency.observe(max(0.0, time.time() - stream.arrival_time))
+        self.prompt_tokens.inc(len(stream.prompt_token_ids))
+        self.generation_tokens.inc(num_output_tokens)
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+
+    def record_restart(self, role: str, count: int = 1) -> None:
+        """The hook: `role` (api-server, engine-core, worker, coordinator) was restarted `count` times."""
+        self.restarts.labels(role=role).inc(count)
+
+    async def render(self) -> bytes:
+        """The exposition text, with the cores' stats fetched now (those that answer within 1 s)."""
+        try:
+            await self.client.refresh_stats(timeout_s=1.0)
+        except Exception:  # a scrape must answer even with no core reachable
+            pass
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Per-DP-rank gauges read at scrape time from the engine client."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def collect(self):
+        running = GaugeMetricFamily("vsup_num_requests_running", "Requests in the core's running batch.",
+                                    labels=["dp_rank"])
+        waiting = GaugeMetricFamily("vsup_num_requests_waiting", "Requests waiting in the core's queue.",
+                                    labels=["dp_rank"])
+        kv_usage = GaugeMetricFamily("vsup_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+                                     labels=["dp_rank"])
+        hit_rate = GaugeMetricFamily("vsup_prefix_cache_hit_rate", "Prefix cache hits over queried tokens.",
+                                     labels=["dp_rank"])
+        preemptions = CounterMetricFamily("vsup_num_preemptions", "Requests preempted for KV cache space.",
+                                          labels=["dp_rank"])
+        up = GaugeMetricFamily("vsup_engine_up", "1 when the DP rank's engine core is ready and heard from.",
+                               labels=["dp_rank"])
+        in_flight = GaugeMetricFamily("vsup_api_server_requests_in_flight",
+                                      "This API server's unfinished requests on the DP rank.", labels=["dp_rank"])
+        ranks = self.client.ranks
+        for dp_rank in sorted(ranks.ranks):
+            label = [str(dp_rank)]
+            up.add_metric(label, 1.0 if ranks.is_up(dp_rank) else 0.0)
+            in_flight.add_metric(label, ranks.get(dp_rank).num_in_flight)
+            stats = self.client.stats.get(dp_rank)
+            if stats is None:
+                continue
+            running.add_metric(label, stats.num_running)
+            waiting.add_metric(label, stats.num_waiting)
+            kv_usage.add_metric(label, stats.kv_cache_usage)
+            hit_rate.add_metric(label, stats.prefix_cache_hit_rate)
+            preemptions.add_metric(label, stats.num_preemptions)
+        yield from (running, waiting, kv_usage, hit_rate, preemptions, up, in_flight)

@@ -1,0 +1,146 @@
+"""`python -m engine.api_server`: argv, the listening socket, and uvicorn.
+
+    python -m engine.api_server --api-server-rank 0 --api-server-count 2 --data-parallel-size 2 \
+        --model DIR --served-model-name NAME --host 127.0.0.1 --port 8000 \
+        --engine-address ipc://RUN/a0-engines.sock [--api-key KEY] [--max-model-len L] [--no-multiprocessing]
+
+Several API servers share one port: each binds its own socket with
+SO_REUSEPORT and the kernel spreads connections across them (or the
+supervisor hands one over with --listen-fd). Flags meant for other roles
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+
+import structlog
+
+ENV_API_KEY = "VSUP_API_KEY"
+ENV_MULTIPROCESSING = "VSUP_ENABLE_MULTIPROCESSING"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This role's flags; the flags of other roles pass through."""
+    # allow_abbrev off: a flag meant for another role must never pass for a prefix of ours
+    p = argparse.ArgumentParser(prog="python -m engine.api_server", description="One API server of a vsup tree.",
+                                allow_abbrev=False)
+    p.add_argument("--api-server-rank", type=int, default=0)
+    p.add_argument("--api-server-count", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--listen-fd", type=int, default=None, help="serve on this inherited listening socket instead")
+    p.add_argument("--engine-address", default=None, help="the ROUTER this API server binds for its engine cores")
+    p.add_argument("--api-key", default=os.environ.get(ENV_API_KEY) or None, help=f"or ${ENV_API_KEY}")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--engine-heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without a word after which a core no longer counts as up")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, how long open requests may finish")
+    p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
+                   default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
+                   help=f"run the engine core and its worker in this process (or ${ENV_MULTIPROCESSING}=0)")
+    # the in-process engine's flags (the same spelling the engine core and worker take)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-bytes", type=int, default=2**30)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--num-threads", type=int, default=None)
+    args, _unknown = p.parse_known_args(argv)
+    if args.multiprocessing and not args.engine_address:
+        p.error("--engine-address is required (or run in-process with --no-multiprocessing)")
+    if not args.multiprocessing and (args.tensor_parallel_size, args.pipeline_parallel_size,
+                                     args.data_parallel_size, args.api_server_count) != (1, 1, 1, 1):
+        p.error("--no-multiprocessing runs one engine core with one worker inside one API server: "
+                "it needs TP = PP = DP = 1 and --api-server-count 1")
+    return args
+
+
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound TCP socket (IPv6 if `host` is one); SO_REUSEPORT lets sibling API servers share the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def build(args: argparse.Namespace):
+    """The app for these args: tokenizer, engine client (ZeroMQ or in-process), metrics."""
+    from engine.api_server.app import build_app
+    from engine.api_server.metrics import Metrics
+    from engine.api_server.serving import Serving
+    from engine.api_server.tokenizer import Tokenizer
+    from engine.model.config import ModelConfig
+
+    model_config = ModelConfig.from_pretrained(args.model)
+    if args.multiprocessing:
+        from engine.api_server.engine_client import EngineClient
+        client = EngineClient(args.engine_address, args.data_parallel_size,
+                              heartbeat_timeout_s=args.engine_heartbeat_timeout)
+    else:
+        from engine.api_server.inproc_client import InprocClient, InprocConfig
+        client = InprocClient(InprocConfig(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+            block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+            num_threads=args.num_threads))
+    metrics = Metrics(client)
+    serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
+                      max_model_len=args.max_model_len or model_config.max_model_len,
+                      vocab_size=model_config.vocab_size, metrics=metrics)
+    return build_app(serving, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                     api_server_rank=args.api_server_rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Become `api-server a<rank>`, build the app, serve until SIGTERM or SIGINT."""
+    from engine.log import configure
+    from engine.process import become
+
+    args = parse_args(argv)
+    become(f"api-server a{args.api_server_rank}")
+    log = configure("api-server", a=args.api_server_rank)
+    if args.model is None:
+        from engine.model.default_model import default_model_dir
+        args.model = str(default_model_dir())
+    import uvicorn
+
+    app = build(args)
+    if args.listen_fd is not None:
+        sock = socket.socket(fileno=args.listen_fd)
+    else:
+        sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
+    config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused
+    log.info("ready", host=args.host, port=sock.getsockname()[1], multiprocessing=args.multiprocessing,
+             api_key=bool(args.api_key))
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then raises the signal again with the
+    # handlers it found: found a no-op, a requested stop ends with exit code 0, as the other roles do
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    structlog.get_logger("api-server").info("stopped")
+    return 0

@@ -1,0 +1,127 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n choices, streamed or not."""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.api_server.errors import bad_request
+from engine.api_server.generation import ChoiceDelta, ChoiceResult
+from engine.api_server.logprobs import chat_logprobs, token_namer
+from engine.api_server.openai_models import ChatCompletionRequest, ChatMessage
+from engine.api_server.sampling import check_token_ids, check_unsupported, sampling_params, stop_strings
+from engine.api_server.serving import (ClientDisconnected, Serving, error_event, json_response, new_request_id, now,
+                                       open_stream, run_to_end, sse, streaming_response, usage)
+from engine.api_server.tokenizer import Tokenizer
+
+# template variables a request's chat_template_kwargs may not override
+RESERVED_TEMPLATE_VARS = {"messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token"}
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    """Validate, render and tokenize the conversation, start the choices, answer."""
+    model = serving.check_model(body.model)
+    check_unsupported(body)
+    serving.check_ready()
+    max_model_len = serving.max_model_len()
+    prompt = await serving.tokenizer.encode_async(render_messages(serving.tokenizer, body), add_special_tokens=False)
+    check_token_ids(prompt, serving.vocab_size, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, num_prompt_tokens=len(prompt),
+                             max_model_len=max_model_len, vocab_size=serving.vocab_size)
+    request_id = new_request_id("chatcmpl")
+    structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
+    runners = serving.start(request_id, [prompt], [params], body.n, stop=stop_strings(body),
+                            include_stop_str_in_output=body.include_stop_str_in_output,
+                            skip_special_tokens=body.skip_special_tokens)
+    view = _View(request_id, model, serving.tokenizer, body)
+    try:
+        if body.stream:
+            first, deltas = await open_stream(request, runners)
+            return streaming_response(_events(view, first, deltas, len(prompt)), runners)
+        results = await run_to_end(request, runners)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return json_response({
+        "id": request_id, "object": "chat.completion", "created": now(), "model": model,
+        "choices": [view.choice(r) for r in results],
+        "usage": usage(len(prompt), sum(len(r.token_ids) for r in results))})
+
+
+def render_messages(tokenizer: Tokenizer, body) -> str:
+    """The prompt text of `body.messages` (chat requests and /tokenize), via the chat template."""
+    kwargs = {k: v for k, v in (getattr(body, "chat_template_kwargs", None) or {}).items()
+              if k not in RESERVED_TEMPLATE_VARS and isinstance(k, str) and k.isidentifier()}
+    return tokenizer.apply_chat_template([_message(m) for m in body.messages],
+                                         add_generation_prompt=body.add_generation_prompt, **kwargs)
+
+
+def _message(m: ChatMessage) -> dict:
+    if isinstance(m.content, list):
+        other = [p.type for p in m.content if p.type != "text"]
+        if other:
+            raise bad_request(f"only text content parts are supported, got {other[0]!r}", "messages")
+        content = "\n".join(p.text or "" for p in m.content)
+    else:
+        content = m.content or ""
+    out = {"role": m.role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+class _View:
+    """Shapes choices and chunks of one chat completion."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest):
+        self.request_id, self.model, self.tokenizer, self.body = request_id, model, tokenizer, body
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.num_top = body.top_logprobs or 0
+        self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
+
+    def logprobs(self, r: ChoiceResult | ChoiceDelta) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": chat_logprobs(self.name, r.token_ids, r.logprobs, self.num_top)}
+
+    def choice(self, r: ChoiceResult) -> dict:
+        return {"index": r.index, "message": {"role": "assistant", "content": r.text},
+                "logprobs": self.logprobs(r), "finish_reason": r.finish_reason}
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> bytes:
+        out = {"id": self.request_id, "object": "chat.completion.chunk", "created": now(), "model": self.model,
+               "choices": choices}
+        if self.include_usage:
+            out["usage"] = usage_
+        return sse(out)
+
+    def delta_choice(self, d: ChoiceDelta) -> dict:
+        delta = {"content": d.text} if d.text or not d.finish_reason else {}
+        return {"index": d.index, "delta": delta, "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
+
+
+async def _events(view: _View, first: ChoiceDelta, deltas, num_prompt_tokens: int):
+    num_tokens = 0
+    started: set[int] = set()
+    try:
+        delta = first
+        while delta is not None:
+            if delta.finish_reason == "error":
+                yield error_event(delta)
+                break
+            if delta.index not in started:  # OpenAI opens each choice with the role alone
+                started.add(delta.index)
+                yield view.chunk([{"index": delta.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}])
+            num_tokens += len(delta.token_ids)
+            if delta.text or delta.finish_reason or view.body.logprobs:
+                yield view.chunk([view.delta_choice(delta)])  # not for tokens that only began a character
+            delta = await anext(deltas, None)
+        else:
+            if view.include_usage:
+                yield view.chunk([], usage(num_prompt_tokens, num_tokens))
+        yield sse("[DONE]")
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,111 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n choices each, streamed or not."""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.api_server.errors import bad_request
+from engine.api_server.generation import ChoiceDelta, ChoiceResult
+from engine.api_server.logprobs import completion_logprobs, token_namer
+from engine.api_server.openai_models import MAX_N, CompletionRequest
+from engine.api_server.sampling import check_token_ids, check_unsupported, sampling_params, stop_strings
+from engine.api_server.serving import (ClientDisconnected, Serving, error_event, json_response, new_request_id, now,
+                                       open_stream, run_to_end, sse, streaming_response, usage)
+
+
+async def create_completion(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    """Validate, tokenize, start the choices, answer (400/404/503 before anything runs)."""
+    model = serving.check_model(body.model)
+    check_unsupported(body)
+    serving.check_ready()
+    max_model_len = serving.max_model_len()
+    prompts, prompt_texts = await _tokenize(body, serving)
+    if len(prompts) * body.n > MAX_N:
+        raise bad_request(f"at most {MAX_N} choices per request (prompts x n); got {len(prompts) * body.n}", "n")
+    params = [sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, num_prompt_tokens=len(p),
+                              max_model_len=max_model_len, vocab_size=serving.vocab_size) for p in prompts]
+    request_id = new_request_id("cmpl")
+    structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
+    runners = serving.start(request_id, prompts, params, body.n, stop=stop_strings(body),
+                            include_stop_str_in_output=body.include_stop_str_in_output,
+                            skip_special_tokens=body.skip_special_tokens)
+    echo = [prompt_texts[r.index // body.n] if body.echo else "" for r in runners]
+    view = _View(request_id, model, serving, body, echo)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    try:
+        if body.stream:
+            first, deltas = await open_stream(request, runners)
+            return streaming_response(_events(view, first, deltas, num_prompt_tokens), runners)
+        results = await run_to_end(request, runners)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return json_response({
+        "id": request_id, "object": "text_completion", "created": now(), "model": model,
+        "choices": [view.choice(r) for r in results],
+        "usage": usage(num_prompt_tokens, sum(len(r.token_ids) for r in results))})
+
+
+async def _tokenize(body: CompletionRequest, serving: Serving) -> tuple[list[list[int]], list[str]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty; send a string or token ids", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        ids = [await serving.tokenizer.encode_async(text) for text in prompt]
+        texts = list(prompt)
+    else:
+        ids = [list(p) for p in prompt]
+        texts = [serving.tokenizer.decode(p) if body.echo else "" for p in ids]
+    for p in ids:
+        check_token_ids(p, serving.vocab_size, "prompt")
+    return ids, texts
+
+
+class _View:
+    """Shapes choices and chunks of one completion."""
+
+    def __init__(self, request_id: str, model: str, serving: Serving, body: CompletionRequest, echo: list[str]):
+        self.request_id, self.model, self.serving, self.body, self.echo = request_id, model, serving, body, echo
+        self.text_len = [0] * len(echo)
+        self.name = token_namer(serving.tokenizer, body.return_tokens_as_token_ids)
+
+    def choice(self, r: ChoiceResult | ChoiceDelta) -> dict:
+        prefix = self.echo[r.index]
+        self.echo[r.index] = ""  # echoed once, before the first text
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = completion_logprobs(self.name, r.token_ids, r.logprobs, self.text_len[r.index] + len(prefix))
+        self.text_len[r.index] += len(prefix) + len(r.text)
+        return {"index": r.index, "text": prefix + r.text, "logprobs": logprobs, "finish_reason": r.finish_reason}
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        out = {"id": self.request_id, "object": "text_completion", "created": now(), "model": self.model,
+               "choices": choices}
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            out["usage"] = usage_
+        return out
+
+
+async def _events(view: _View, first: ChoiceDelta, deltas, num_prompt_tokens: int):
+    num_tokens = 0
+    try:
+        delta = first
+        while delta is not None:
+            if delta.finish_reason == "error":
+                yield error_event(delta)
+                break
+            num_tokens += len(delta.token_ids)
+            if delta.text or delta.finish_reason or view.body.logprobs is not None or view.echo[delta.index]:
+                yield sse(view.chunk([view.choice(delta)]))  # not for tokens that only began a character
+            delta = await anext(deltas, None)
+        else:
+            if view.body.stream_options is not None and view.body.stream_options.include_usage:
+                yield sse(view.chunk([], usage(num_prompt_tokens, num_tokens)))
+        yield sse("[DONE]")
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,109 @@
+"""The default model (SmolLM2-135M-Instruct) behind the API server, through the official client:
+multiprocess (API server, engine core, worker) and in-process mode."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from engine.api_server.local_deployment import LocalDeployment
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+JAPANESE = [{"role": "user", "content": "Translate 'thank you' into Japanese."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from engine.model.default_model import default_model_dir
+    return default_model_dir()
+
+
+def deployment(model_dir, in_process: bool):
+    d = LocalDeployment(model_dir, tempfile.mkdtemp(prefix="vsup-"), served_model_name="smollm2",
+                        max_model_len=1024, kv_cache_bytes=64 << 20)
+    d.start(in_process=in_process)
+    try:
+        d.wait_ready()
+        yield d, openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=120)
+    finally:
+        d.stop()
+        shutil.rmtree(d.run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def multiprocess(model_dir):
+    yield from deployment(model_dir, in_process=False)
+
+
+def chat_stream(client, messages, **kwargs) -> str:
+    chunks = client.chat.completions.create(model="smollm2", messages=messages, stream=True, **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_capital_of_france_streamed_and_not(multiprocess):
+    server, client = multiprocess
+    answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
+    assert answer.choices[0].message.content == "The capital of France is Paris."
+    assert answer.choices[0].finish_reason == "stop"  # on EOS, which is counted but not shown
+    assert answer.usage.completion_tokens == len(httpx.post(f"{server.url}/tokenize", json={
+        "prompt": "The capital of France is Paris."}).json()["tokens"]) + 1
+    assert chat_stream(client, FRANCE, temperature=0, max_tokens=30) == "The capital of France is Paris."
+
+
+def test_multibyte_output_streams_exactly_as_it_completes(multiprocess):
+    _, client = multiprocess
+    whole = client.chat.completions.create(model="smollm2", messages=JAPANESE, temperature=0, max_tokens=24)
+    text = whole.choices[0].message.content
+    assert sum(ord(ch) >= 0x3000 for ch in text) >= 5, text  # kana: three UTF-8 bytes, often split in tokens
+    assert "\ufffd" not in text[:-1]  # the last token may cut a character in two: max_tokens ends it there
+    assert chat_stream(client, JAPANESE, temperature=0, max_tokens=24) == text
+
+
+def wait_idle(url: str) -> str:
+    """The metrics once the core runs nothing (an abort, not an 800-token finish: that takes most of a minute)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{url}/metrics").text
+        if 'vsup_num_requests_running{dp_rank="0"} 0.0' in metrics:
+            return metrics
+        time.sleep(0.1)
+    raise AssertionError(f"still running:\n{metrics}")
+
+
+def test_client_disconnect_aborts_the_request_in_the_core(multiprocess):
+    server, client = multiprocess
+    long = dict(model="smollm2", prompt="Tell me a long story.", max_tokens=800, temperature=0, ignore_eos=True)
+    stream = client.completions.create(stream=True, **{k: v for k, v in long.items() if k != "ignore_eos"},
+                                       extra_body={"ignore_eos": True})
+    next(stream), next(stream)
+    stream.close()
+    metrics = wait_idle(server.url)
+    assert 'vsup_kv_cache_usage_perc{dp_rank="0"} 0.0' in metrics
+    assert 'vsup_requests_finished_total{finish_reason="abort"} 1.0' in metrics
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=long, timeout=1.5)
+    assert 'vsup_requests_finished_total{finish_reason="abort"} 2.0' in wait_idle(server.url)
+
+
+def test_the_api_server_process_never_loads_torch(multiprocess):
+    server, _ = multiprocess
+    maps = {m.path for m in psutil.Process(server.procs["a0"].pid).memory_maps()}
+    assert not any("libtorch" in path for path in maps)
+
+
+def test_in_process_mode_serves_alike_in_one_process(model_dir):
+    for server, client in deployment(model_dir, in_process=True):
+        assert list(server.procs) == ["a0"]
+        assert psutil.Process(server.procs["a0"].pid).children() == []
+        answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
+        assert "Paris" in answer.choices[0].message.content
+        sampled = dict(model="smollm2", prompt="A poem:", max_tokens=8, temperature=1.0, seed=7)
+        assert client.completions.create(**sampled).choices[0].text == client.completions.create(**sampled).choices[0].text
+        assert chat_stream(client, FRANCE, temperature=0, max_tokens=30) == answer.choices[0].message.content
+        assert httpx.get(f"{server.url}/health").json()["up"] == [0]
