@@ -17,7 +17,7 @@ import zmq
 
 from engine.log import configure
 from engine.process import become
-from engine.protocol import CoreLoad, LoadStats, coordinator_in, encoder
+from engine.protocol import LoadStats, coordinator_in, encoder
 
 log = structlog.get_logger("coordinator")
 PUBLISH_S = 0.1
