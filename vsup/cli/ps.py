@@ -16,7 +16,8 @@ app = typer.Typer()
 def ps(name: o.Name = "default", as_json: o.Json = False) -> None:
     """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
 
-    When the supervisor is gone, shows the last state it wrote (state.json) and says so.
+    When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process
+    of the tree that is somehow still running is shown as orphaned.
     """
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
@@ -30,10 +31,22 @@ def ps(name: o.Name = "default", as_json: o.Json = False) -> None:
         state["supervisor"]["live"] = False
         for p in state["processes"]:
             p["cpu_percent"] = p["rss_bytes"] = None
+            if p.get("pid") is not None and still_running(p["pid"], p["title"]):
+                p["state"] = "orphaned"  # outlived its supervisor: it may still hold memory
     if as_json:
         typer.echo(json.dumps(state, indent=2))
     else:
         typer.echo(render(state))
+
+
+def still_running(pid: int, title: str) -> bool:
+    """Whether `pid` is still the tree's process (its title), not a stranger who got the number."""
+    import psutil
+
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).strip() == title
+    except psutil.Error:
+        return False
 
 
 def render(state: dict) -> str:

@@ -1,0 +1,77 @@
+"""The README's commands, run as written, so that the README cannot drift from the code."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.api_server.local_deployment import free_port
+
+README = Path(__file__).parents[2] / "README.md"
+BIN = str(Path(sys.executable).parent)
+
+
+def blocks(kind: str) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def shell(command: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from engine.model.default_model import default_model_dir
+
+    default_model_dir()  # the README's plan example reads it from the user's cache
+    return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "VSUP_HOME": str(tmp_path_factory.mktemp("home"))}
+
+
+def test_console_examples_print_what_the_readme_says(env):
+    examples = []
+    for block in blocks("console"):
+        for chunk in block.split("$ ")[1:]:
+            command, *output = chunk.rstrip("\n").split("\n")
+            examples.append((command, "\n".join(output)))
+    assert len(examples) >= 2
+    for command, expected in examples:
+        result = shell(command, env)
+        printed = (result.stdout + result.stderr).rstrip("\n")
+        assert [line.rstrip() for line in printed.splitlines()] == [line.rstrip() for line in expected.splitlines()], \
+            command
+
+
+def test_the_quick_tour_does_what_it_says(env):
+    port = str(free_port())
+    tour = blocks("sh")[1].replace("8000", port)
+    commands = [c for c in re.sub(r"\\\n\s*", " ", tour).split("\n") if c.strip()]
+    python = next(i for i, c in enumerate(commands) if c.startswith('python -c "'))
+    end = next(i for i in range(python + 1, len(commands)) if commands[i].endswith('"'))  # the multi-line python
+    commands[python:end + 1] = ["\n".join(commands[python:end + 1])]
+    serve = subprocess.Popen(["vsup", "serve", "--port", port], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving" not in shell("vsup ps", env).stdout.split("\n")[0]:
+            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
+            time.sleep(0.5)
+        results = {c.split()[0] + (" " + c.split()[1] if c.startswith("vsup") else ""): shell(c, env)
+                   for c in commands}
+    finally:
+        if serve.poll() is None:
+            serve.terminate()
+        serve.communicate(timeout=120)
+    assert all(r.returncode == 0 for r in results.values()), results
+    assert "The capital of France is Paris." in results["curl"].stdout
+    assert results["python"].stdout.strip() == "The capital of France is Paris."
+    assert "serving SmolLM2-135M-Instruct" in results["vsup ps"].stdout
+    worker_lines = results["vsup logs"].stdout.splitlines()
+    assert worker_lines and all(line.startswith("worker dp0 pp0 tp0") for line in worker_lines)
+    assert results["vsup stop"].stdout.startswith("stopped default")
+    assert serve.returncode == 0
