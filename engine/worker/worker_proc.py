@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import msgspec
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect(args.core_address)
     worker = Worker(config)
     torch.manual_seed(args.seed)
+    signal.signal(signal.SIGTERM, _exit)  # stop cleanly: leave the ring, the socket and the process group
     try:
         log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None)
         worker.init_device()
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.shutdown()
         sock.close()
         ctx.term()
+
+
+def _exit(signum, frame):
+    raise SystemExit(0)
 
 
 def serve(worker: Worker, sock: zmq.Socket, log) -> None:

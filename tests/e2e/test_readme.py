@@ -63,6 +63,7 @@ def test_the_quick_tour_does_what_it_says(env):
             time.sleep(0.5)
         results = {c.split()[0] + (" " + c.split()[1] if c.startswith("vsup") else ""): shell(c, env)
                    for c in commands}
+        serve.wait(timeout=60)  # `vsup stop` returned: the supervisor is on its way out
     finally:
         if serve.poll() is None:
             serve.terminate()

@@ -159,3 +159,5 @@ Lines = Annotated[Optional[int], _option("-n", "--lines", show_default=False, he
 Follow = Annotated[bool, _option("-f", "--follow", help="Keep printing new lines as they come.")]
 StopWait = Annotated[float, _option("--timeout", envvar="VSUP_STOP_WAIT",
                                     help="Seconds `vsup stop` waits for the tree to end.")]
+Watch = Annotated[bool, _option("-w", "--watch", help="Refresh in place until Ctrl-C, like top.")]
+Interval = Annotated[float, _option("--interval", help="Seconds between refreshes with --watch.")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import typer
@@ -13,16 +14,34 @@ app = typer.Typer()
 
 
 @app.command()
-def ps(name: o.Name = "default", as_json: o.Json = False) -> None:
+def ps(name: o.Name = "default", as_json: o.Json = False, watch: o.Watch = False, interval: o.Interval = 2.0) -> None:
     """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
 
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process
     of the tree that is somehow still running is shown as orphaned.
     """
     from vsup.rundir import RunDir
-    from vsup.supervisor.control import request
 
     run_dir = RunDir(name).require()
+    if watch and not as_json:
+        while True:  # like top: redraw in place until Ctrl-C
+            screen = render(snapshot(run_dir))
+            typer.echo("\x1b[H\x1b[2J" + screen if sys.stdout.isatty() else screen + "\n")
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
+    state = snapshot(run_dir)
+    if as_json:
+        typer.echo(json.dumps(state, indent=2))
+    else:
+        typer.echo(render(state))
+
+
+def snapshot(run_dir) -> dict:
+    """The live state from the supervisor, else the last one it wrote, with orphans marked."""
+    from vsup.supervisor.control import request
+
     try:
         state = request(str(run_dir.control_socket), {"cmd": "ps"})
         state["supervisor"]["live"] = True
@@ -33,10 +52,7 @@ def ps(name: o.Name = "default", as_json: o.Json = False) -> None:
             p["cpu_percent"] = p["rss_bytes"] = None
             if p.get("pid") is not None and still_running(p["pid"], p["title"]):
                 p["state"] = "orphaned"  # outlived its supervisor: it may still hold memory
-    if as_json:
-        typer.echo(json.dumps(state, indent=2))
-    else:
-        typer.echo(render(state))
+    return state
 
 
 def still_running(pid: int, title: str) -> bool:

@@ -27,13 +27,22 @@ def stop(name: o.Name = "default", timeout: o.StopWait = 120.0) -> None:
         typer.echo(f"deployment {name!r} is not running")
         return
     deadline = time.monotonic() + timeout
-    while run_dir.control_socket.exists() and time.monotonic() < deadline:
+    while supervisor_alive(answer.get("pid")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if run_dir.control_socket.exists():
+    if supervisor_alive(answer.get("pid")):
         typer.echo(f"deployment {name!r} (supervisor pid {answer.get('pid')}) is still stopping after {timeout:g} s",
                    err=True)
         raise typer.Exit(1)
     typer.echo(f"stopped {name} (supervisor pid {answer.get('pid')})")
+
+
+def supervisor_alive(pid: int | None) -> bool:
+    import psutil
+
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @app.command()
