@@ -56,6 +56,11 @@ def coordinator_output_socket(run_dir: str) -> str:
     return f"ipc://{os.path.join(run_dir, 'coordinator-out.sock')}"
 
 
+def state_file(run_dir: str) -> str:
+    """The supervisor's state.json, which API servers read for their restart counts."""
+    return os.path.join(run_dir, "state.json")
+
+
 def control_socket(run_dir: str) -> str:
     """The supervisor's own control socket (a Unix stream socket, JSON lines)."""
     return os.path.join(run_dir, "control.sock")

@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+from vsup import addresses
 from vsup.errors import UsageError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -39,7 +40,7 @@ class RunDir:
 
     @property
     def state_file(self) -> Path:
-        return self.path / "state.json"
+        return Path(addresses.state_file(str(self.path)))
 
     @property
     def log_dir(self) -> Path:
@@ -51,7 +52,7 @@ class RunDir:
 
     @property
     def control_socket(self) -> Path:
-        return self.path / "control.sock"
+        return Path(addresses.control_socket(str(self.path)))
 
     def exists(self) -> bool:
         return self.state_file.exists() or self.log_file.exists()

@@ -202,7 +202,8 @@ def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: st
     has_coordinator = config.data_parallel_size > 1
     if role == API_SERVER:
         coordinator = ("--coordinator-address", addresses.coordinator_output_socket(run_dir)) if has_coordinator else ()
-        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a), *coordinator)
+        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a),
+                "--state-file", addresses.state_file(run_dir), *coordinator)
     if role == ENGINE_CORE:
         servers = [x for i in range(config.num_api_servers)
                    for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i))]

@@ -4,10 +4,10 @@ Each API server has its own registry (tests run several in one process);
 `/metrics` refreshes the cores' scheduler stats first, so running, waiting
 and KV cache usage are those of the scrape, not of the last output.
 
-Restarts: `vsup_restarts_total{role}` counts the engine cores this API
-server saw replaced (a Hello with a new instance id). `record_restart(role)`
-is the hook for what only the supervisor knows (workers, coordinator, API
-servers); it reaches an API server through whatever channel calls it.
+Restarts: `vsup_restarts_total{role}`. Under `vsup serve` they come from the
+supervisor's state.json (`--state-file`), which counts every role; without
+it, the API server counts the engine cores it saw replaced (a Hello with a
+new instance id) through `record_restart(role)`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ ROLES = ("api-server", "engine-core", "worker", "coordinator")
 class Metrics:
     """The counters and histograms the generation routes feed, and the engine stats collector."""
 
-    def __init__(self, client):
+    def __init__(self, client, state_file: str | None = None):
         self.client = client
+        self.state_file = state_file
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -48,9 +49,12 @@ class Metrics:
         self.generation_tokens = Counter("vsup_generation_tokens", "Tokens generated.", registry=r)
         self.requests_finished = Counter("vsup_requests_finished", "Finished engine requests by reason.",
                                          ["finish_reason"], registry=r)
-        self.restarts = Counter("vsup_restarts", "Processes restarted, by role.", ["role"], registry=r)
-        for role in ROLES:
-            self.restarts.labels(role=role)  # every role shows, at 0, before its first restart
+        if state_file:
+            r.register(SupervisorRestartsCollector(state_file))
+        else:
+            self.restarts = Counter("vsup_restarts", "Processes restarted, by role.", ["role"], registry=r)
+            for role in ROLES:
+                self.restarts.labels(role=role)  # every role shows, at 0, before its first restart
         r.register(EngineStatsCollector(client))
 
     # what the routes report
@@ -72,8 +76,10 @@ class Metrics:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
 
     def record_restart(self, role: str, count: int = 1) -> None:
-        """The hook: `role` (api-server, engine-core, worker, coordinator) was restarted `count` times."""
-        self.restarts.labels(role=role).inc(count)
+        """`role` (api-server, engine-core, worker, coordinator) was restarted `count` times;
+        ignored under a supervisor, whose own count is the one shown."""
+        if not self.state_file:
+            self.restarts.labels(role=role).inc(count)
 
     async def render(self) -> bytes:
         """The exposition text, with the cores' stats fetched now (those that answer within 1 s)."""
@@ -119,3 +125,26 @@ class EngineStatsCollector(Collector):
             hit_rate.add_metric(label, stats.prefix_cache_hit_rate)
             preemptions.add_metric(label, stats.num_preemptions)
         yield from (running, waiting, kv_usage, hit_rate, preemptions, up, in_flight)
+
+
+class SupervisorRestartsCollector(Collector):
+    """`vsup_restarts_total{role}` as the supervisor counts them, read from its state.json at scrape time."""
+
+    def __init__(self, state_file: str):
+        self.state_file = state_file
+
+    def collect(self):
+        import json
+
+        restarts = dict.fromkeys(ROLES, 0)
+        try:
+            with open(self.state_file) as f:
+                for process in json.load(f).get("processes", []):
+                    if process.get("role") in restarts:
+                        restarts[process["role"]] += int(process.get("restarts") or 0)
+        except (OSError, ValueError):
+            pass  # not written yet: every role at 0
+        family = CounterMetricFamily("vsup_restarts", "Processes restarted, by role.", labels=["role"])
+        for role, count in restarts.items():
+            family.add_metric([role], count)
+        yield family

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds without a word after which a core no longer counts as up")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, how long open requests may finish")
     p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
                    help=f"run the engine core and its worker in this process (or ${ENV_MULTIPROCESSING}=0)")
@@ -101,7 +102,7 @@ def build(args: argparse.Namespace):
             block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
             num_threads=args.num_threads))
-    metrics = Metrics(client)
+    metrics = Metrics(client, state_file=args.state_file)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
                       max_model_len=args.max_model_len or model_config.max_model_len,
                       vocab_size=model_config.vocab_size, metrics=metrics)

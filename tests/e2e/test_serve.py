@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -135,6 +136,9 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
     assert restarts["worker dp0 pp0 tp0"] == 1 and restarts["engine-core dp1"] == 1
     assert restarts["worker dp1 pp0 tp0"] == 1 and restarts["coordinator"] == 1  # a core brings its group
     assert restarts["engine-core dp0"] == 0 and restarts["api-server a0"] == 0
+    metrics = httpx.get(f"http://127.0.0.1:{s.port}/metrics").text  # the supervisor's counts, by role
+    for role, count in (("worker", 2), ("engine-core", 1), ("coordinator", 1), ("api-server", 0)):
+        assert f'vsup_restarts_total{{role="{role}"}} {count}.0' in metrics
     assert s.stop()[0] == 0
 
 
