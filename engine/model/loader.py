@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.distributed import ParallelGroups
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.progress import Progress
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -40,11 +41,12 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return names
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path,
+                 progress: Progress | None = None) -> dict[str, tuple[int, ...]]:
     """Copy this rank's slices of the checkpoint into `model`, converting to
     its dtype. Returns, for each tensor read, the shape of what was read
     (the shard, not the full tensor). Raises ValueError when a tensor this
-    rank needs is missing."""
+    rank needs is missing. `progress(done, total)` hears of every tensor."""
     plan = model.checkpoint_weights()
     files = checkpoint_files(model_dir)
     missing = sorted(name for name in plan if name not in files)
@@ -62,17 +64,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> dict[str, tu
                     reader = _RecordingSlice(f.get_slice(name))
                     module.load_weight(param, reader, shard_id)
                     read[name] = reader.shape_read
+                if progress is not None:
+                    progress(len(read), len(plan))
     return read
 
 
 def load_model(model_dir: str | Path, groups: ParallelGroups | None = None, dtype: str | None = None,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None, progress: Progress | None = None) -> LlamaForCausalLM:
     """Build this rank's shard of the model in `model_dir` and load it.
     `dtype` (float32, float16, bfloat16, or None/"auto" for the checkpoint's)
     may differ from the files': tensors are converted as they are copied."""
     config = config or ModelConfig.from_pretrained(model_dir, dtype=dtype)
     model = LlamaForCausalLM(config, groups)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, progress)
     return model.eval()
 
 

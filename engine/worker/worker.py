@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from engine.distributed import ParallelGroups
 from engine.model.attention import kv_cache_block_bytes
 from engine.model.config import ModelConfig, eos_token_ids
 from engine.model.loader import load_model
+from engine.progress import ProgressReporter
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.messages import WorkerReady
 from engine.worker.model_runner import ModelRunner
@@ -82,7 +84,8 @@ class Worker:
         start = time.monotonic()
         cfg = self.config
         model_config = ModelConfig.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype, cfg.device))
-        model = load_model(cfg.model, self.groups, config=model_config)
+        with contextlib.closing(ProgressReporter("loading weights", log)) as progress:
+            model = load_model(cfg.model, self.groups, config=model_config, progress=progress)
         self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model))
         self.load_seconds = time.monotonic() - start
         log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}",

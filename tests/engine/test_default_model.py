@@ -23,6 +23,7 @@ from safetensors import safe_open
 from structlog.testing import capture_logs
 
 from engine.model import default_model
+from engine.progress import ProgressReporter
 from engine.model.default_model import (
     DEFAULT_MODEL_NAME, default_cache_dir, default_model_dir, find_default_gguf)
 
@@ -101,7 +102,7 @@ def test_progress_is_a_bar_on_a_tty(monkeypatch):
 
     monkeypatch.setattr(sys, "stderr", Terminal())
     with capture_logs() as logs:
-        reporter = default_model._ProgressReporter("converting", structlog.get_logger())
+        reporter = ProgressReporter("converting", structlog.get_logger())
         for done in range(1, 11):
             reporter(done, 10)
         reporter.close()
