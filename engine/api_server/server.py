@@ -19,20 +19,18 @@ import socket
 
 import structlog
 
+from engine.args import add_parallel_sizes, role_parser
+
 ENV_API_KEY = "VSUP_API_KEY"
 ENV_MULTIPROCESSING = "VSUP_ENABLE_MULTIPROCESSING"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """This role's flags; the flags of other roles pass through."""
-    # allow_abbrev off: a flag meant for another role must never pass for a prefix of ours
-    p = argparse.ArgumentParser(prog="python -m engine.api_server", description="One API server of a vsup tree.",
-                                allow_abbrev=False)
+    p = role_parser("engine.api_server", "One API server of a vsup tree.")
     p.add_argument("--api-server-rank", type=int, default=0)
     p.add_argument("--api-server-count", type=int, default=1)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    add_parallel_sizes(p)
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")

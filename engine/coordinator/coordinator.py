@@ -8,13 +8,13 @@ least-loaded rank. It holds no request state: restarting it loses nothing.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import msgspec
 import structlog
 import zmq
 
+from engine.args import add_parallel_sizes, role_parser
 from engine.log import configure
 from engine.process import become
 from engine.protocol import LoadStats, coordinator_in, encoder
@@ -59,10 +59,10 @@ class Coordinator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.coordinator")
+    p = role_parser("engine.coordinator", "The coordinator of a vsup tree (DP > 1).")
     p.add_argument("--input-address", required=True, help="where engine cores push their load")
     p.add_argument("--output-address", required=True, help="where API servers subscribe to all ranks' load")
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    add_parallel_sizes(p)
     args, _unknown = p.parse_known_args(argv)
     become("coordinator")
     configure("coordinator")

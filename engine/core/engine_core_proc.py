@@ -20,6 +20,7 @@ import msgspec
 import structlog
 import zmq
 
+from engine.args import add_parallel_sizes, role_parser
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestUpdate
 from engine.core.scheduler_config import SchedulerConfig
@@ -245,14 +246,10 @@ class EngineCoreProc:
 
 
 def parse_args(argv: list[str] | None = None):
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m engine.core", description="One engine core of a vsup tree.")
+    p = role_parser("engine.core", "One engine core of a vsup tree.")
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--dp-rank", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    add_parallel_sizes(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

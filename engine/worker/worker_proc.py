@@ -20,6 +20,7 @@ import msgspec
 import torch
 import zmq
 
+from engine.args import add_parallel_sizes, role_parser
 from engine.log import configure
 from engine.process import become
 from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
@@ -28,14 +29,12 @@ from engine.worker.worker import Worker, WorkerConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine.worker", description="One worker of a vsup tree.")
+    p = role_parser("engine.worker", "One worker of a vsup tree.")
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--pp-rank", type=int, default=0)
     p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    add_parallel_sizes(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--kv-cache-bytes", type=int, default=2**30, help="KV cache budget of this worker")
