@@ -28,6 +28,15 @@ serve: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests
+BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor
+
+bench: install
+	for b in $(BENCHES); do $(BIN)/python bench/$$b.py || exit 1; done
+
+bench-quick: install
+	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --quick || exit 1; done
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 

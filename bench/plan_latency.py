@@ -29,7 +29,10 @@ def wall(argv: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="10 runs")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 10
     for argv in COMMANDS.values():  # warm the file cache
         wall(argv)
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}

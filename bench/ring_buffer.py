@@ -58,9 +58,12 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trips", type=int, default=400, help="round trips per size and transport")
+    parser.add_argument("--quick", action="store_true", help="100 trips per size and transport")
     parser.add_argument("--block", type=int, default=100, help="trips in a row before switching transport")
     parser.add_argument("--sizes", default="1024,16384,262144,1048576,4194304")
     args = parser.parse_args()
+    if args.quick:
+        args.trips = 100
     spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         there, back = f"ipc://{tmp}/ring-there.sock", f"ipc://{tmp}/ring-back.sock"
