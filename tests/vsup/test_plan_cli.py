@@ -149,3 +149,14 @@ def test_version_and_help():
                  "--api-server-count", "--dp-size-local", "--dp-start-rank", "--headless", "--device",
                  "--no-multiprocessing", "--kv-cache-memory", "--gpu-memory-utilization", "--json"):
         assert flag in helptext
+
+
+def test_serve_refuses_what_it_cannot_run_before_starting_anything(tmp_path):
+    import os
+    env = dict(os.environ, VSUP_HOME=str(tmp_path))
+    for flags, needle in ((["--no-multiprocessing", "-tp", "2"], "--no-multiprocessing serves only -tp 1"),
+                          (["--port", "0"], "--port must be between 1 and 65535"),
+                          (["--restart-policy", "sometimes"], "--restart-policy")):
+        result = vsup("serve", "--device", "cpu", *flags, env=env)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())  # no run dir was made
