@@ -25,3 +25,24 @@ def test_worker_accepts_the_argv_the_topology_gives_it():
         assert (args.dp_rank, args.pp_rank, args.tp_rank) == (spec.dp, spec.pp, spec.tp)
         assert args.device == spec.device
         assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size) == (2, 2, 2)
+
+
+def test_every_role_parses_the_argv_serve_gives_it():
+    from engine.api_server.server import parse_args as api_server_args
+    from engine.coordinator.coordinator import main as _  # noqa: F401  (importable without torch side effects)
+    from engine.core.engine_core_proc import parse_args as core_args
+
+    p = plan(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, device="cpu"),
+             engine_args=("--model", "m"), run_dir="/run/x", deployment="x")
+    for spec in p.processes:
+        argv = list(spec.argv[3:])
+        if spec.role == "api-server":
+            args = api_server_args(argv)
+            assert args.engine_address.endswith(f"a{spec.a}-engines.sock") and args.coordinator_address
+            assert args.api_server_count == 2 and args.state_file == "/run/x/state.json"
+        elif spec.role == "engine-core":
+            args = core_args(argv)
+            assert args.dp_rank == spec.dp and len(args.api_server_address) == 2
+            assert args.ring_prefix == f"vsup-x-dp{spec.dp}" and args.coordinator_address
+        elif spec.role == WORKER:
+            assert parse_args(argv).core_address.endswith(f"dp{spec.dp}-workers.sock")

@@ -27,7 +27,7 @@ from engine.api_server.dp_ranks import EngineUnavailable
 from engine.api_server.request_stream import RequestStream
 from engine.core.request import FinishReason
 from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, UtilityCall,
-                             UtilityResult, encoder, from_core)
+                             UtilityResult, coordinator_out, encoder, from_core)
 from engine.sampling.params import SamplingParams
 
 log = structlog.get_logger("api-server")
@@ -38,9 +38,12 @@ __all__ = ["EngineClient", "EngineUnavailable"]
 class EngineClient(ClientBase):
     """Sends requests to the DP ranks' engine cores and routes their outputs back to streams."""
 
-    def __init__(self, address: str, data_parallel_size: int = 1, *, heartbeat_timeout_s: float = 5.0):
+    def __init__(self, address: str, data_parallel_size: int = 1, *, heartbeat_timeout_s: float = 5.0,
+                 coordinator_address: str | None = None):
         super().__init__(data_parallel_size, heartbeat_timeout_s)
         self.address = address
+        self.coordinator_address = coordinator_address
+        self._load_reader: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._ctx: zmq.asyncio.Context | None = None
@@ -59,15 +62,18 @@ class EngineClient(ClientBase):
         sock.bind(self.address)
         self._sock = sock
         self._receiver = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+        if self.coordinator_address:
+            self._load_reader = asyncio.create_task(self._load_loop(), name="engine-client-load")
         log.info("waiting for engine cores", address=self.address, data_parallel_size=len(self.ranks.ranks))
 
     async def close(self) -> None:
         """Abort what is still running (the cores would otherwise finish it for nobody), then close."""
         for stream in list(self.requests.values()):
             self.abort(stream)
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        for task in (self._receiver, self._load_reader):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
             self._ctx.term()
@@ -159,6 +165,26 @@ class EngineClient(ClientBase):
                 self._dispatch(msg)
             except Exception:  # one bad message must not stop every stream
                 log.exception("failed to handle a message from an engine core", kind=type(msg).__name__)
+
+    async def _load_loop(self) -> None:
+        """Every rank's load from the coordinator (DP > 1): requests from all API servers count in routing."""
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.coordinator_address)
+        try:
+            while True:
+                raw = await sock.recv()
+                try:
+                    stats = coordinator_out.decode(raw)
+                except msgspec.DecodeError as e:
+                    log.warning("dropped malformed message", sender="coordinator", error=str(e))
+                    continue
+                for dp_rank, (num_waiting, num_running) in stats.ranks.items():
+                    if dp_rank in self.ranks.ranks:
+                        self.ranks.set_external_load(dp_rank, num_waiting + num_running)
+        finally:
+            sock.close()
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Outputs):

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds without a word after which a core no longer counts as up")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, how long open requests may finish")
     p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument("--coordinator-address", default=None, help="every DP rank's load, from the coordinator (DP > 1)")
     p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
@@ -92,7 +93,8 @@ def build(args: argparse.Namespace):
     if args.multiprocessing:
         from engine.api_server.engine_client import EngineClient
         client = EngineClient(args.engine_address, args.data_parallel_size,
-                              heartbeat_timeout_s=args.engine_heartbeat_timeout)
+                              heartbeat_timeout_s=args.engine_heartbeat_timeout,
+                              coordinator_address=args.coordinator_address)
     else:
         from engine.api_server.inproc_client import InprocClient, InprocConfig
         client = InprocClient(InprocConfig(

@@ -40,3 +40,30 @@ def test_load_is_published_within_100ms_of_a_change(tmp_path):
         proc.terminate()
         out, err = proc.communicate(timeout=10)
     assert b'"event": "ready"' in out and b"dropped malformed message" in out
+
+
+def test_api_server_client_routes_by_the_coordinators_load(tmp_path):
+    import asyncio
+
+    from engine.api_server.engine_client import EngineClient
+    from engine.protocol import LoadStats
+
+    async def scenario():
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"ipc://{tmp_path}/load.sock")
+        client = EngineClient(f"ipc://{tmp_path}/engines.sock", 2, coordinator_address=f"ipc://{tmp_path}/load.sock")
+        await client.start()
+        try:
+            for _ in range(100):  # until the subscription has reached the publisher
+                pub.send(encoder.encode(LoadStats(ranks={0: [5, 3], 1: [0, 1]}, published_at=time.time())))
+                await asyncio.sleep(0.02)
+                if client.ranks.get(0).external_load == 8:
+                    break
+            assert client.ranks.get(0).external_load == 8 and client.ranks.get(1).external_load == 1
+        finally:
+            await client.close()
+            pub.close(linger=0)
+            ctx.term()
+
+    asyncio.run(scenario())
