@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import structlog
 
 from engine.core.request import FinishReason, Request, RequestUpdate
@@ -13,7 +15,7 @@ from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
 from engine.protocol import AddRequest
-from engine.scheduler_output import ModelRunnerOutput
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 log = structlog.get_logger("engine-core")
 
@@ -21,12 +23,18 @@ log = structlog.get_logger("engine-core")
 class EngineCore:
     """Takes requests, runs steps on its executor, returns what each request gained."""
 
-    def __init__(self, config: SchedulerConfig, executor: Executor | None, vocab_size: int):
+    def __init__(self, config: SchedulerConfig, executor: Executor | None, vocab_size: int,
+                 num_batches_in_flight: int = 1):
+        """`num_batches_in_flight` is the pipeline-parallel size: one batch per stage, so that
+        stage 0 computes the next batch while the later stages finish this one."""
         self.config = config
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(config)
         self.executor = executor
         self.num_steps = 0
+        self.num_groups = num_batches_in_flight
+        self.inflight: deque[tuple[int, SchedulerOutput]] = deque()  # (group, step) in submission order
+        self.next_group = 0
 
     # requests
 
@@ -52,7 +60,7 @@ class EngineCore:
         return self.scheduler.abort(req_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.inflight) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -60,20 +68,37 @@ class EngineCore:
     # the step
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, execute, update: one step of continuous batching."""
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.num_scheduled_tokens:
-            model_output = self.executor.execute(scheduler_output)
+        """Schedule, execute, update: one step of continuous batching.
+
+        Every group without a batch in flight gets one submitted; then the
+        oldest batch's sampled tokens are taken. With one group (PP = 1) that
+        is schedule -> execute -> update."""
+        updates = []
+        busy = {group for group, _ in self.inflight}
+        for _ in range(self.num_groups):
+            group, self.next_group = self.next_group, (self.next_group + 1) % self.num_groups
+            if group in busy:
+                continue
+            scheduler_output = self.scheduler.schedule(group)
+            if scheduler_output.num_scheduled_tokens:
+                self.executor.submit(scheduler_output)
+                self.inflight.append((group, scheduler_output))
+            else:  # nothing to run: close the step's books at once
+                empty = ModelRunnerOutput(step_id=scheduler_output.step_id)
+                updates += self.scheduler.update_from_output(scheduler_output, empty)
+        if self.inflight:
+            _, scheduler_output = self.inflight.popleft()
+            model_output = self.executor.wait(scheduler_output.step_id)
             self.num_steps += 1
-        else:
-            model_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+            updates += self.scheduler.update_from_output(scheduler_output, model_output)
+        return updates
 
     # losing and regaining the workers
 
     def lose_workers(self) -> list[RequestUpdate]:
         """The worker group is gone: every running request goes back to waiting, all KV is dropped."""
         self.executor = None
+        self.inflight.clear()
         return self.scheduler.preempt_all()
 
     def regain_workers(self, executor: Executor) -> list[RequestUpdate]:

@@ -83,7 +83,8 @@ class EngineCoreProc:
         if capacity < max_model_len:
             raise CoreFailed(f"the KV cache holds {capacity} tokens but --max-model-len is {max_model_len}; "
                              f"raise --kv-cache-memory or lower --max-model-len")
-        self.core = EngineCore(config, self.group, self.model_config.vocab_size)
+        self.core = EngineCore(config, self.group, self.model_config.vocab_size,
+                               num_batches_in_flight=self.args.pipeline_parallel_size)
         self.say_ready()
         log.info("ready", num_blocks=config.num_blocks, max_model_len=max_model_len)
         self.loop()

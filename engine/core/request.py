@@ -63,6 +63,8 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is computed, or scheduled to be this step
         self.num_sent_tokens = 0      # how many of token_ids the workers hold
         self.num_preemptions = 0
+        self.group = 0                # which of the pipeline's batches it rides in (PP > 1)
+        self.inflight_step: int | None = None  # the step that last scheduled it
         # Content hashes of the full blocks of token_ids, filled by the block
         # manager; tokens only ever append, so they stay valid across preemption.
         self.block_hashes: list[bytes] = []

@@ -52,7 +52,7 @@ class Scheduler:
         self.running: list[Request] = []         # in admission order: the newest is preempted first
         self.num_preemptions = 0                 # by KV pressure; preempt_all() does not count
         self._step_id = 0
-        self._inflight_step_id: int | None = None
+        self._inflight_step_ids: set[int] = set()  # several with pipeline parallelism
         self._finished_req_ids: list[str] = []   # for the workers to drop, sent with the next step
 
     # --- requests in and out ---
@@ -98,8 +98,12 @@ class Scheduler:
 
     # --- one step ---
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts, growing or preempting as blocks allow."""
+    def schedule(self, group: int = 0) -> SchedulerOutput:
+        """Pick this step's requests and token counts, growing or preempting as blocks allow.
+
+        With pipeline parallelism the engine core keeps one batch in flight per
+        stage: each request belongs to one `group` (the batch it was admitted
+        into), and a step schedules only its own group's running requests."""
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequest] = []
@@ -111,7 +115,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # its last sample has not come back yet
+            if num_new <= 0 or request.group != group:  # its last sample has not come back yet
                 i += 1
                 continue
             if not self._make_room(request, num_new):
@@ -134,7 +138,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             block_ids = bm.allocate(request, num_new)
-            request.status = RequestStatus.RUNNING
+            request.status, request.group = RequestStatus.RUNNING, group
             self.running.append(request)
             new_requests.append(NewRequest(
                 request.req_id, list(request.token_ids), request.num_prompt_tokens,
@@ -143,10 +147,11 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             budget -= num_new
 
+        self._step_id += 1
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
-        self._step_id += 1
-        self._inflight_step_id = self._step_id
+            self.requests[req_id].inflight_step = self._step_id
+        self._inflight_step_ids.add(self._step_id)
         output = SchedulerOutput(self._step_id, new_requests, cached_requests, num_scheduled,
                                  list(self._finished_req_ids))
         if num_scheduled:  # an empty step may never reach the workers: keep the ids for the next
@@ -159,17 +164,18 @@ class Scheduler:
 
         Outputs of a step that preempt_all() has since voided are ignored.
         """
-        if (scheduler_output.step_id != self._inflight_step_id
+        if (scheduler_output.step_id not in self._inflight_step_ids
                 or model_runner_output.step_id != scheduler_output.step_id):
             return []
-        self._inflight_step_id = None
+        self._inflight_step_ids.discard(scheduler_output.step_id)
         out = model_runner_output
         index = {req_id: i for i, req_id in enumerate(out.req_ids)}
         updates = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if (request is None or request.status is not RequestStatus.RUNNING
+                    or request.inflight_step != scheduler_output.step_id):
+                continue  # aborted, or preempted and scheduled anew, while the step ran
             self.block_manager.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
@@ -208,7 +214,7 @@ class Scheduler:
             self._requeue(request)
         self.running = []
         self.block_manager.reset(self.block_manager.num_blocks if num_blocks is None else num_blocks)
-        self._inflight_step_id = None
+        self._inflight_step_ids.clear()
         self._finished_req_ids.clear()  # the new workers never knew them
         unfit = [r for r in self.waiting if self._why_unschedulable(r) is not None]
         for request in unfit:

@@ -1,7 +1,7 @@
 """How an engine core runs a step: on a Worker in its own process, or on a worker group.
 
-Both offer `num_blocks`, `execute(scheduler_output)` and `close()`, so the
-engine core schedules the same way whichever runs the model.
+Both offer `num_blocks`, `submit(scheduler_output)`, `wait(step_id)` and
+`close()`, so the engine core schedules the same way whichever runs the model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from engine.worker.worker import Worker, WorkerConfig
 class Executor(Protocol):
     num_blocks: int
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def wait(self, step_id: int) -> ModelRunnerOutput: ...
 
     def close(self) -> None: ...
 
@@ -31,9 +33,16 @@ class InprocExecutor:
         self.worker.load_model()
         self.num_blocks = self.worker.ready_report().num_blocks
         self.worker.initialize_cache(self.num_blocks)
+        self.done: dict[int, ModelRunnerOutput] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.done[scheduler_output.step_id] = self.execute(scheduler_output)
+
+    def wait(self, step_id: int) -> ModelRunnerOutput:
+        return self.done.pop(step_id)
 
     def close(self) -> None:
         self.worker.shutdown()

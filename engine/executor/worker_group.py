@@ -121,13 +121,21 @@ class WorkerGroup:
 
         Raises WorkerGroupFailed when a worker fails or dies.
         """
+        self.submit(scheduler_output, timeout_s)
+        return self.wait(scheduler_output.step_id, timeout_s)
+
+    def submit(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None) -> None:
+        """Write a step into the ring; with PP > 1 the next one may follow before this one's answer."""
         try:
             self.ring.enqueue(encoder.encode(scheduler_output), timeout=timeout_s)
         except (PeerDied, RingClosed, TimeoutError) as e:
             raise WorkerGroupFailed(f"the worker group stopped reading: {e}") from e
+
+    def wait(self, step_id: int, timeout_s: float | None = None) -> ModelRunnerOutput:
+        """The sampled tokens of step `step_id` (steps answer in the order they were submitted)."""
         while True:
             _, msg = self._recv(timeout_s)
-            if isinstance(msg, ModelRunnerOutput) and msg.step_id == scheduler_output.step_id:
+            if isinstance(msg, ModelRunnerOutput) and msg.step_id == step_id:
                 return msg
 
     def close(self, shutdown_workers: bool = True) -> None:

@@ -26,7 +26,10 @@ def model(tiny_model, tmp_path_factory):
 
 
 class Served:
-    """One `vsup serve` subprocess in its own VSUP_HOME."""
+    """One `vsup serve` subprocess in its own VSUP_HOME.
+
+    Its stdout is read only at the end, on purpose: a console nobody reads
+    (a full pipe) must not stall the supervisor, and the chaos test fills it."""
 
     def __init__(self, home, model, *flags, name="e2e"):
         self.home, self.name, self.port = str(home), name, free_port()
@@ -55,7 +58,7 @@ class Served:
                     p["state"] == "ready" for p in state["processes"]):
                 return state
             time.sleep(0.2)
-        raise TimeoutError("not serving")
+        raise TimeoutError(f"not serving: {self.ps()}")
 
     def pids(self):
         return {p["name"]: p["pid"] for p in self.ps()["processes"]}

@@ -95,14 +95,15 @@ class Deployment:
     """One engine core and its workers, started the way the supervisor will start them."""
 
     def __init__(self, tmp: Path, model_dir: str, tp: int = 1, worker_timeout: float = 60.0,
-                 kv_cache_bytes: int = 1 << 20, max_model_len: int = 256):
-        self.tmp, self.model_dir, self.tp, self.kv_cache_bytes = tmp, model_dir, tp, kv_cache_bytes
+                 kv_cache_bytes: int = 1 << 20, max_model_len: int = 256, pp: int = 1):
+        self.tmp, self.model_dir, self.tp, self.pp, self.kv_cache_bytes = tmp, model_dir, tp, pp, kv_cache_bytes
         self.api = FakeApiServer(f"ipc://{tmp}/a0.sock")
         self.control = self.api.ctx.socket(zmq.PUSH)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.connect(f"ipc://{tmp}/control.sock")
         self.core = self.spawn([sys.executable, "-m", "engine.core", "--model", model_dir,
-                                "--tensor-parallel-size", str(tp), "--api-server-address", f"ipc://{tmp}/a0.sock",
+                                "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                                "--api-server-address", f"ipc://{tmp}/a0.sock",
                                 "--worker-address", f"ipc://{tmp}/workers.sock",
                                 "--control-address", f"ipc://{tmp}/control.sock",
                                 "--ring-prefix", f"vsup-test-{tmp.name}", "--wakeup-address", f"ipc://{tmp}/wake.sock",
@@ -116,11 +117,13 @@ class Deployment:
 
     def start_workers(self):
         self.generation += 1
-        return [self.spawn([sys.executable, "-m", "engine.worker", "--model", self.model_dir, "--tp-rank", str(r),
-                            "--tensor-parallel-size", str(self.tp), "--kv-cache-bytes", str(self.kv_cache_bytes),
+        return [self.spawn([sys.executable, "-m", "engine.worker", "--model", self.model_dir,
+                            "--tp-rank", str(r % self.tp), "--pp-rank", str(r // self.tp),
+                            "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp),
+                            "--kv-cache-bytes", str(self.kv_cache_bytes),
                             "--block-size", "4", "--core-address", f"ipc://{self.tmp}/workers.sock",
                             "--dist-init-method", f"file://{self.tmp}/dist-{self.generation}", "--num-threads", "1"])
-                for r in range(self.tp)]
+                for r in range(self.tp * self.pp)]
 
     def stop(self):
         for p in [self.core, *self.workers]:
@@ -249,3 +252,48 @@ def test_32_concurrent_requests_through_tp2_equal_generate(deployment, mixed_ref
     assert outputs == mixed_reference
     d.api.send(UtilityCall(1, "get_stats"))
     assert (d.api.recv(UtilityResult).result["num_preemptions"] > 0) == preempts
+
+
+def test_pp2_core_process_keeps_two_batches_in_flight_and_equals_generate(deployment, mixed_reference):
+    d = deployment(pp=2, max_model_len=64)
+    d.api.recv(Ready)
+    for r, (p, n) in mixed_requests().items():
+        d.api.send(AddRequest(r, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    outputs, _ = d.api.collect(list(mixed_requests()))
+    assert outputs == mixed_reference
+
+
+class CountingExecutor:
+    """An in-process executor that remembers the most steps it ever had in flight."""
+
+    def __init__(self, inner):
+        self.inner, self.num_blocks = inner, inner.num_blocks
+        self.in_flight = self.most_in_flight = 0
+
+    def submit(self, scheduler_output):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        self.inner.submit(scheduler_output)
+
+    def wait(self, step_id):
+        self.in_flight -= 1
+        return self.inner.wait(step_id)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_two_batches_in_flight_give_the_same_tokens(tiny_model, mixed_reference):
+    executor = CountingExecutor(InprocExecutor(WorkerConfig(model=str(tiny_model("llama_tied")),
+                                                            kv_cache_bytes=1 << 20, block_size=4)))
+    core = EngineCore(SchedulerConfig(num_blocks=executor.num_blocks, block_size=4, max_model_len=64,
+                                      max_num_batched_tokens=64), executor, vocab_size=256, num_batches_in_flight=2)
+    for r, (p, n) in mixed_requests().items():
+        assert core.add_request(AddRequest(r, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))) is None
+    outputs = {r: [] for r in mixed_requests()}
+    while core.has_work():
+        for update in core.step():
+            outputs[update.req_id] += update.new_token_ids
+    assert outputs == mixed_reference
+    assert executor.most_in_flight == 2
+    core.close()

@@ -118,6 +118,7 @@ def supervise(the_plan, run_dir, model_dir, url, policy, log_format, api_key, dr
     finally:
         router.stop()
         writer.close()
+        console.close()
     return code, supervisor.message
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import selectors
 import sys
 import threading
@@ -48,18 +49,46 @@ class JsonlWriter:
 
 
 class Console:
-    """Text with aligned (coloured on a TTY) prefixes, or the JSON records themselves."""
+    """Text with aligned (coloured on a TTY) prefixes, or the JSON records themselves.
 
-    def __init__(self, stream: TextIO = sys.stdout, fmt: str = "auto"):
+    A console nobody reads (a full pipe, a paused terminal) must never stall
+    the supervisor or, through the router, the children's pipes: lines go
+    through a bounded queue to a thread of their own, and are dropped, and
+    counted, when it is full. vsup.jsonl keeps every line regardless.
+    """
+
+    def __init__(self, stream: TextIO = sys.stdout, fmt: str = "auto", max_pending: int = 10_000):
         self.stream = stream
         self.json = fmt == "json"
         self.color = fmt == "auto" and stream.isatty()
         self.width = 10
+        self.pending: queue.Queue = queue.Queue(max_pending)
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name="console", daemon=True)
+        self.thread.start()
 
     def write(self, record: dict) -> None:
-        text = json.dumps(record, default=str) if self.json else render(record, self.width, self.color)
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        try:
+            self.pending.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Print what is still queued (for at most `timeout`), and say what was dropped."""
+        self.pending.put(None)
+        self.thread.join(timeout)
+        if self.dropped and not self.thread.is_alive():
+            self.stream.write(f"({self.dropped} lines were not shown here; all are in vsup.jsonl)\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        while (record := self.pending.get()) is not None:
+            text = json.dumps(record, default=str) if self.json else render(record, self.width, self.color)
+            try:
+                self.stream.write(text + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                return  # the console went away (closed pipe): keep running without it
 
 
 class LogRouter(threading.Thread):
