@@ -29,7 +29,7 @@ test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests
-BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor
+BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor api_server
 
 bench: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py || exit 1; done
