@@ -29,7 +29,7 @@ def test_worker_accepts_the_argv_the_topology_gives_it():
 
 def test_every_role_parses_the_argv_serve_gives_it():
     from engine.api_server.server import parse_args as api_server_args
-    from engine.coordinator.coordinator import main as _  # noqa: F401  (importable without torch side effects)
+
     from engine.core.engine_core_proc import parse_args as core_args
 
     p = plan(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, device="cpu"),

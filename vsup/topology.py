@@ -202,8 +202,13 @@ def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: st
     has_coordinator = config.data_parallel_size > 1
     if role == API_SERVER:
         coordinator = ("--coordinator-address", addresses.coordinator_output_socket(run_dir)) if has_coordinator else ()
+        workers = ()
+        if not config.multiprocessing and config.workers_per_engine > 1:  # the core, inside, meets its workers
+            workers = ("--worker-address", addresses.core_worker_socket(run_dir, 0),
+                       "--ring-prefix", addresses.ring_prefix(deployment, 0),
+                       "--wakeup-address", addresses.ring_wakeup_socket(run_dir, 0))
         return ("--engine-address", addresses.api_server_engine_socket(run_dir, a),
-                "--state-file", addresses.state_file(run_dir), *coordinator)
+                "--state-file", addresses.state_file(run_dir), *coordinator, *workers)
     if role == ENGINE_CORE:
         servers = [x for i in range(config.num_api_servers)
                    for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i))]

@@ -1,9 +1,11 @@
-"""`InprocClient`: in-process mode, the engine core and its one worker inside the API server.
+"""`InprocClient`: in-process mode, the engine core inside the API server.
 
-One background thread owns the EngineCore (and so torch): it builds it,
-takes commands from a queue, steps while there is work, and hands outputs
-to the event loop. Only this thread ever touches the core, so scheduling
-order is repeatable, as in-process mode promises. TP = PP = DP = 1.
+With TP = PP = 1 its one worker is inside too; with more, the workers are
+their own processes and connect to this process as they would to an engine
+core. One background thread owns the EngineCore (and so torch): it builds
+it, takes commands from a queue, steps while there is work, and hands
+outputs to the event loop. Only this thread ever touches the core, so
+scheduling order is repeatable, as in-process mode promises. DP = 1.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ class InprocConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    worker_address: str | None = None  # with TP x PP > 1: where the worker processes connect
+    ring_prefix: str | None = None
+    wakeup_address: str | None = None
+    startup_timeout_s: float = 600.0
 
 
 def build_engine_core(config: InprocConfig):
@@ -54,15 +62,32 @@ def build_engine_core(config: InprocConfig):
     from engine.worker.worker import WorkerConfig
 
     model_config = ModelConfig.from_pretrained(config.model)
-    executor = InprocExecutor(WorkerConfig(model=config.model, device=config.device, dtype=config.dtype,
-                                           kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size,
-                                           num_threads=config.num_threads, name="api-server a0"))
+    world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+    if world_size > 1:
+        from engine.executor.worker_group import WorkerGroup
+
+        if not (config.worker_address and config.ring_prefix and config.wakeup_address):
+            raise ValueError("in-process mode with TP x PP > 1 needs --worker-address, --ring-prefix and "
+                             "--wakeup-address (vsup serve passes them)")
+        executor = WorkerGroup(config.worker_address, world_size, ring_prefix=config.ring_prefix,
+                               wakeup_address=config.wakeup_address)
+        try:
+            executor.wait_for_ready(config.startup_timeout_s)
+            executor.initialize_cache()
+        except BaseException:
+            executor.close(shutdown_workers=False)
+            raise
+    else:
+        executor = InprocExecutor(WorkerConfig(model=config.model, device=config.device, dtype=config.dtype,
+                                               kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size,
+                                               num_threads=config.num_threads, name="api-server a0"))
     scheduler_config = SchedulerConfig(
         num_blocks=executor.num_blocks, block_size=config.block_size,
         max_model_len=config.max_model_len or model_config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
         enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos_token_ids(config.model))
-    return EngineCore(scheduler_config, executor, model_config.vocab_size)
+    return EngineCore(scheduler_config, executor, model_config.vocab_size,
+                      num_batches_in_flight=config.pipeline_parallel_size)
 
 
 class InprocClient(ClientBase):

@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, how long open requests may finish")
     p.add_argument("--disable-access-log", action="store_true")
     p.add_argument("--coordinator-address", default=None, help="every DP rank's load, from the coordinator (DP > 1)")
+    p.add_argument("--worker-address", default=None, help="in-process mode, TP x PP > 1: where workers connect")
+    p.add_argument("--ring-prefix", default=None, help="in-process mode, TP x PP > 1: the step ring's name prefix")
+    p.add_argument("--wakeup-address", default=None, help="in-process mode, TP x PP > 1: the ring's wakeup socket")
     p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
@@ -61,10 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, _unknown = p.parse_known_args(argv)
     if args.multiprocessing and not args.engine_address:
         p.error("--engine-address is required (or run in-process with --no-multiprocessing)")
-    if not args.multiprocessing and (args.tensor_parallel_size, args.pipeline_parallel_size,
-                                     args.data_parallel_size, args.api_server_count) != (1, 1, 1, 1):
-        p.error("--no-multiprocessing runs one engine core with one worker inside one API server: "
-                "it needs TP = PP = DP = 1 and --api-server-count 1")
+    if not args.multiprocessing and (args.data_parallel_size, args.api_server_count) != (1, 1):
+        p.error("--no-multiprocessing runs one engine core inside one API server: it needs DP = 1 and "
+                "--api-server-count 1")
+    if not args.multiprocessing and args.tensor_parallel_size * args.pipeline_parallel_size > 1 and not (
+            args.worker_address and args.ring_prefix and args.wakeup_address):
+        p.error("--no-multiprocessing with TP x PP > 1 needs --worker-address, --ring-prefix and --wakeup-address "
+                "for its worker processes (vsup serve passes them)")
     return args
 
 
@@ -101,7 +107,9 @@ def build(args: argparse.Namespace):
             model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
             block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-            num_threads=args.num_threads))
+            num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
+            ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address))
     metrics = Metrics(client, state_file=args.state_file)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
                       max_model_len=args.max_model_len or model_config.max_model_len,
@@ -131,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = uvicorn.Server(config)
-    # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused
-    log.info("ready", host=args.host, port=sock.getsockname()[1], multiprocessing=args.multiprocessing,
-             api_key=bool(args.api_key))
+    # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused;
+    # in-process, the engine thread says it once the core inside can take requests
+    log.info("ready" if args.multiprocessing else "listening", host=args.host, port=sock.getsockname()[1],
+             multiprocessing=args.multiprocessing, api_key=bool(args.api_key))
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then raises the signal again with the
     # handlers it found: found a no-op, a requested stop ends with exit code 0, as the other roles do
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -94,7 +94,8 @@ def complete(client, prompt, n=24, stream=True):
                    if chunk.choices)
 
 
-@pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"]], ids=["tp1", "tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
+                         ids=["tp1", "tp2", "pp2", "dp2", "inproc-tp2"])
 def test_ps_shows_exactly_the_plan(serve, model, flags):
     s = serve(*flags, "--served-model-name", "tiny")
     state = s.wait_serving()

@@ -154,7 +154,7 @@ def test_version_and_help():
 def test_serve_refuses_what_it_cannot_run_before_starting_anything(tmp_path):
     import os
     env = dict(os.environ, VSUP_HOME=str(tmp_path))
-    for flags, needle in ((["--no-multiprocessing", "-tp", "2"], "--no-multiprocessing serves only -tp 1"),
+    for flags, needle in ((["--no-multiprocessing", "-dp", "2"], "--no-multiprocessing"),
                           (["--port", "0"], "--port must be between 1 and 65535"),
                           (["--restart-policy", "sometimes"], "--restart-policy")):
         result = vsup("serve", "--device", "cpu", *flags, env=env)

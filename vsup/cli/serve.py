@@ -61,9 +61,6 @@ def serve(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
         dp_start_rank=dp_start_rank, headless=headless, device=device.value, multiprocessing=multiprocessing)
-    if not multiprocessing and config.workers_per_engine > 1:
-        raise UsageError("--no-multiprocessing serves only -tp 1 -pp 1 so far (the worker inside the API server); "
-                         "drop --no-multiprocessing to run the worker group")
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be between 1 and 65535 (got {port})")
     if max_num_seqs < 1:
