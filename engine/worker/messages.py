@@ -57,11 +57,10 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     error: str
 
 
-ToWorker = InitializeCache | SchedulerOutput | Shutdown
 Step = SchedulerOutput | Shutdown
 FromWorker = WorkerReady | CacheReady | ModelRunnerOutput | WorkerFailed
 
 encoder = msgspec.msgpack.Encoder()
-to_worker = msgspec.msgpack.Decoder(ToWorker)
+to_worker = msgspec.msgpack.Decoder(InitializeCache)  # the only message the socket brings a worker
 from_ring = msgspec.msgpack.Decoder(Step)
 from_worker = msgspec.msgpack.Decoder(FromWorker)

@@ -24,7 +24,7 @@ from engine.args import add_parallel_sizes, role_parser
 from engine.log import configure
 from engine.process import become
 from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
-from engine.worker.messages import CacheReady, InitializeCache, Shutdown, WorkerFailed, encoder, from_ring, to_worker
+from engine.worker.messages import CacheReady, Shutdown, WorkerFailed, encoder, from_ring, to_worker
 from engine.worker.worker import Worker, WorkerConfig
 
 
@@ -95,16 +95,9 @@ def _exit(signum, frame):
 def serve(worker: Worker, sock: zmq.Socket, log) -> None:
     """Allocate the cache when the core says how big, then run the steps it writes into
     the ring until Shutdown. A malformed message is logged and dropped."""
-    while True:
-        raw = sock.recv()
-        try:
-            msg = to_worker.decode(raw)
-        except msgspec.DecodeError as e:
-            log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
-            continue
-        if isinstance(msg, InitializeCache):
-            break
-        log.warning("dropped unexpected message before InitializeCache", kind=type(msg).__name__)
+    msg = None
+    while msg is None:
+        msg = _decode(to_worker, sock.recv(), log)
     nbytes = worker.initialize_cache(msg.num_blocks)
     ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
     sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes)))
@@ -115,10 +108,8 @@ def serve(worker: Worker, sock: zmq.Socket, log) -> None:
             except (PeerDied, RingClosed):
                 log.warning("engine core is gone; exiting")
                 return
-            try:
-                step = from_ring.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
+            step = _decode(from_ring, raw, log)
+            if step is None:
                 continue
             if isinstance(step, Shutdown):
                 log.info("shutting down")
@@ -128,6 +119,15 @@ def serve(worker: Worker, sock: zmq.Socket, log) -> None:
                 sock.send(encoder.encode(result))
     finally:
         ring.close()
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, raw: bytes, log):
+    """The message in `raw`, or None (logged) when it is malformed or not one we take."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
+        return None
 
 
 if __name__ == "__main__":
