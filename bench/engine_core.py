@@ -22,6 +22,7 @@ On SmolLM2-135M-Instruct (float32, CPU, the same torch thread count everywhere):
 
     python bench/engine_core.py --quick      # about 45 s on a quiet 2-core machine
     python bench/engine_core.py              # full (about 7 min): 64 output tokens, more rounds
+    python bench/engine_core.py --smoke      # seconds: 1 and 2 requests of 4 tokens, every part
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM
 
-from common import (REPO_ROOT, Children, median_ms, percentile, print_table, ratio, setup, timed,
-                    write_results)
+from common import (REPO_ROOT, Children, add_mode_args, median_ms, mode, percentile, print_table, ratio, setup,
+                    timed, write_results)
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import InprocExecutor
@@ -66,9 +67,9 @@ PROMPT_LENS = (8, 40)  # short prompts, lengths drawn uniformly from this range
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="16 output tokens, one round, fewer trips")
+    add_mode_args(p)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads, in-process and in the worker")
-    p.add_argument("--concurrency", default="1,8,32,64", help="(a) concurrent requests, comma-separated")
+    p.add_argument("--concurrency", default="1,16,64", help="(a) concurrent requests, comma-separated")
     p.add_argument("--output-tokens", type=int, default=None, help="per request (quick 16, full 64)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved rounds of (a) and (d) (quick 1; full: 2 for (a), 4 for (d))")
@@ -76,7 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(quick 2, full 4)")
     p.add_argument("--trips", type=int, default=None, help="(c) ring round trips per payload (quick 1000, full 5000)")
     p.add_argument("--parts", default="a,b,c,d", help="which parts to run")
+    p.add_argument("--mp-concurrency", type=int, default=None, help="(d) concurrent requests (smoke 2, else 32)")
     args = p.parse_args(argv)
+    args.mode = mode(args)
+    if args.mode == "smoke":  # seconds: 1 and 2 requests of 4 tokens, 20 ring trips, (d) on 2 requests
+        args.concurrency, args.output_tokens, args.hf_sequential = "1,2", args.output_tokens or 4, 1
+        args.trips, args.mp_concurrency = args.trips or 20, args.mp_concurrency or 2
+    args.mp_concurrency = args.mp_concurrency or 32
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.output_tokens = args.output_tokens or (16 if args.quick else 64)
     args.hf_sequential = args.hf_sequential or (2 if args.quick else 4)
@@ -330,7 +337,7 @@ class TimedExecutor:
 
 
 def step_overhead(ours: InprocEngine, args, batch: int = 16) -> dict:
-    n = 32 if args.quick else 64
+    n = 8 if args.mode == "smoke" else 32 if args.quick else 64
     executor = TimedExecutor(ours.executor)
     core = ours.core(executor)
     sampling = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -587,13 +594,13 @@ def main(argv: list[str] | None = None) -> None:
             if "b" in args.parts:
                 results["step_overhead"] = step_overhead(ours, args)
             if "d" in args.parts:
-                results["multiprocess"] = multiprocess(ours, args, children)
+                results["multiprocess"] = multiprocess(ours, args, children, args.mp_concurrency)
             if "a" in args.parts:
                 hf = HfEngine(model_dir)
                 results["throughput"] = throughput(ours, hf, args)
         finally:
             ours.close()
-    write_results("engine_core", results)
+    write_results("engine_core", results, args.mode)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ interleaved and both read from a warm page cache.
 
     python bench/engine_decode.py --quick      # about 40 s on a quiet 2-core machine
     python bench/engine_decode.py              # full (about 75 s): more steps and load rounds, a profile
+    python bench/engine_decode.py --smoke      # seconds: batches 1 and 2, one step, no load times
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from common import median_ms, print_table, ratio, setup, timed, write_results
+from common import add_mode_args, median_ms, mode, print_table, ratio, setup, timed, write_results
 from engine.model.default_model import default_model_dir
 from engine.sampling.params import SamplingParams
 from engine.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
@@ -42,7 +43,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and load rounds, no profile")
+    add_mode_args(p)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for both sides (default 2)")
     p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=64, help=f"a multiple of the block size {BLOCK_SIZE}")
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile a step at the largest batch (full: on)")
     p.add_argument("--skip-load", action="store_true", help="measure the decode step only")
     args = p.parse_args(argv)
+    args.mode = mode(args)
+    if args.mode == "smoke":  # seconds: two batch sizes, one step, no load times, no profile
+        args.batches, args.steps, args.prompt_len, args.skip_load = "1,2", args.steps or 1, BLOCK_SIZE, True
     if args.prompt_len % BLOCK_SIZE or args.prompt_len < BLOCK_SIZE:
         p.error(f"--prompt-len must be a positive multiple of {BLOCK_SIZE}, so forked requests share only "
                 f"full blocks")
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         results["profile"] = profile_step(ours, theirs, max(args.batches), min(args.steps, 8))
     ours.worker.shutdown()
-    write_results("engine_decode", results)
+    write_results("engine_decode", results, args.mode)
 
 
 if __name__ == "__main__":

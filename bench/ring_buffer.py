@@ -6,7 +6,7 @@ one reader each way), over a second PUSH/PULL pair for ZeroMQ. The two alternate
 From about 1 MB on, both mostly measure the allocator: every message arrives as a fresh bytes
 object, which glibc may map and fault in anew each time (so the 4 MB row swings from run to run).
 
-    python bench/ring_buffer.py [--trips 400] [--block 100] [--sizes 1024,16384,262144,1048576,4194304]
+    python bench/ring_buffer.py [--quick | --smoke] [--trips 400] [--block 100] [--sizes 1024,16384,...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+from common import add_mode_args, conditions, mode, write_results
 from engine.executor.shm_broadcast import RingClosed, ShmBroadcastReader, ShmBroadcastWriter
 
 
@@ -55,15 +56,19 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trips", type=int, default=400, help="round trips per size and transport")
-    parser.add_argument("--quick", action="store_true", help="100 trips per size and transport")
     parser.add_argument("--block", type=int, default=100, help="trips in a row before switching transport")
     parser.add_argument("--sizes", default="1024,16384,262144,1048576,4194304")
-    args = parser.parse_args()
-    if args.quick:
+    add_mode_args(parser)
+    args = parser.parse_args(argv)
+    run_mode = mode(args)
+    if run_mode == "smoke":
+        args.trips, args.block, args.sizes = 10, 5, "1024,65536"
+    elif args.quick:
         args.trips = 100
+    results = {"conditions": conditions(), "trips": args.trips, "block": args.block, "rows": []}
     spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         there, back = f"ipc://{tmp}/ring-there.sock", f"ipc://{tmp}/ring-back.sock"
@@ -110,6 +115,10 @@ def main() -> None:
                 ring_p50, zmq_p50 = statistics.median(ring_us), statistics.median(zmq_us)
                 print(f"{size:>9}  {ring_p50:>8.1f} ({percentile(ring_us, 90):>6.1f})  "
                       f"{zmq_p50:>8.1f} ({percentile(zmq_us, 90):>6.1f})  {zmq_p50 / ring_p50:>7.2f}x")
+                results["rows"].append({"bytes": size, "ring_median_us": ring_p50, "ring_p90_us": percentile(ring_us, 90),
+                                        "ring_p99_us": percentile(ring_us, 99), "zmq_median_us": zmq_p50,
+                                        "zmq_p90_us": percentile(zmq_us, 90), "zmq_p99_us": percentile(zmq_us, 99),
+                                        "zmq_over_ring_median": zmq_p50 / ring_p50})
         finally:
             out.close()  # the ring echo reads RingClosed and exits
             push.send(b"")
@@ -117,6 +126,7 @@ def main() -> None:
             zmq_proc.join(10)
             inbound.close()
             ctx.destroy(linger=0)
+    write_results("ring_buffer", results, run_mode)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 - the supervisor's CPU while the tree idles;
 - `vsup ps` latency against `python -c "import typer"`.
 
-    python bench/supervisor.py [--quick]
+    python bench/supervisor.py [--quick | --smoke]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_results  # noqa: E402
+from common import add_mode_args, conditions, mode, print_table, write_results  # noqa: E402
 
 VSUP = [sys.executable, "-m", "vsup"]
 FLOOD = "import sys\nfor i in range({n}): sys.stdout.write('{{\"event\": \"line %d\", \"level\": \"info\"}}\\n' % i)\n"
@@ -58,7 +58,7 @@ def stream_token_times(port: int, max_tokens: int, times: list[float]) -> None:
                 times.append(time.monotonic())
 
 
-def serve_figures(home: str, max_tokens: int) -> dict:
+def serve_figures(home: str, max_tokens: int, idle_s: float = 3.0) -> dict:
     port = free_port()
     env = {**os.environ, "VSUP_HOME": home}
     start = time.monotonic()
@@ -76,7 +76,7 @@ def serve_figures(home: str, max_tokens: int) -> dict:
         pids = {p["name"]: p["pid"] for p in state["processes"]}
         supervisor = psutil.Process(state["supervisor"]["pid"])
         cpu0, wall0 = sum(supervisor.cpu_times()[:2]), time.monotonic()
-        time.sleep(3)
+        time.sleep(idle_s)
         idle_cpu = (sum(supervisor.cpu_times()[:2]) - cpu0) / (time.monotonic() - wall0)
         times: list[float] = []
         reader = threading.Thread(target=stream_token_times, args=(port, max_tokens, times))
@@ -128,7 +128,11 @@ def log_throughput(lines: int) -> dict:
 
 
 def ps_latency(runs: int) -> dict:
-    home = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory(prefix="vsup-bench-ps-") as home:
+        return _ps_latency(runs, home)
+
+
+def _ps_latency(runs: int, home: str) -> dict:
     env = {**os.environ, "VSUP_HOME": home}
     os.makedirs(os.path.join(home, "bench"))
     Path(home, "bench", "state.json").write_text(json.dumps(
@@ -145,14 +149,17 @@ def ps_latency(runs: int) -> dict:
     return {"vsup_ps_s": ps_s, "import_typer_s": typer_s, "ratio": ps_s / typer_s}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    results = {"log": log_throughput(20_000 if args.quick else 200_000),
-               "ps": ps_latency(5 if args.quick else 20)}
+    add_mode_args(parser)
+    args = parser.parse_args(argv)
+    run_mode = mode(args)
+    smoke = run_mode == "smoke"
+    results = {"conditions": conditions(),
+               "log": log_throughput(2_000 if smoke else 20_000 if args.quick else 200_000),
+               "ps": ps_latency(1 if smoke else 5 if args.quick else 20)}
     with tempfile.TemporaryDirectory() as home:
-        results["serve"] = serve_figures(home, 60 if args.quick else 200)
+        results["serve"] = serve_figures(home, 20 if smoke else 60 if args.quick else 200, 0.5 if smoke else 3.0)
     s, log, ps = results["serve"], results["log"], results["ps"]
     print_table("the supervisor", ["figure", "value"], [
         ["cold start to /health", f"{s['cold_start_to_health_s']:.1f} s"],
@@ -165,7 +172,7 @@ def main() -> None:
                                            f"({log['routed_over_direct']:.2f}x a child writing its own file)"],
         ["vsup ps latency", f"{ps['vsup_ps_s'] * 1000:.0f} ms ({ps['ratio']:.2f}x import typer)"],
     ])
-    write_results("supervisor", results)
+    write_results("supervisor", results, run_mode)
 
 
 if __name__ == "__main__":
