@@ -18,15 +18,18 @@ from engine.sampling.params import SamplingParams
 # core -> API server: lifecycle
 
 
-class Hello(msgspec.Struct, tag="hello"):
-    """A core (re)started; `instance` is new on every start."""
+class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
+    """A core (re)started; `instance` is new on every start. `fingerprint` is what every node must
+    agree on (engine/cluster.py): an API server refuses a core whose fingerprint differs from its own."""
 
     dp_rank: int
     instance: str
     pid: int
+    fingerprint: dict[str, str] = {}
+    node: str = ""
 
 
-class Ready(msgspec.Struct, tag="ready"):
+class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     """The core's workers are up and its KV cache is allocated: send requests."""
 
     dp_rank: int
@@ -34,6 +37,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     num_blocks: int
     block_size: int
+    fingerprint_hash: str = ""
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -64,6 +68,12 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     req_ids: list[str]
 
 
+class Refused(msgspec.Struct, tag="refused"):
+    """The API server will not serve with this core: its plan or model differs (`reason` says how)."""
+
+    reason: str
+
+
 class UtilityCall(msgspec.Struct, tag="utility", omit_defaults=True):
     """Call a named engine-core method (`get_stats`, `reset_prefix_cache`, ...)."""
 
@@ -90,7 +100,7 @@ class UtilityResult(msgspec.Struct, tag="utility_result", omit_defaults=True):
     error: str | None = None
 
 
-ToCore = AddRequest | AbortRequests | UtilityCall
+ToCore = AddRequest | AbortRequests | UtilityCall | Refused
 FromCore = Hello | Ready | Failed | Outputs | UtilityResult
 
 encoder = msgspec.msgpack.Encoder()
@@ -119,20 +129,64 @@ control = msgspec.msgpack.Decoder(ToControl)
 
 
 class CoreLoad(msgspec.Struct, tag="core_load", array_like=True):
-    """One core's queue lengths, pushed to the coordinator when they change (and every second)."""
+    """One core's queue lengths, pushed to the coordinator when they change (and every second),
+    and its cumulative counters: steps with a real batch, dummy steps (--dp-lockstep: a rank with
+    no work steps with the others), requests taken. Also the core's heartbeat to the coordinator."""
 
     dp_rank: int
     num_waiting: int
     num_running: int
     num_steps: int
+    num_dummy_steps: int = 0
+    num_requests: int = 0
 
 
 class LoadStats(msgspec.Struct, tag="load_stats"):
-    """Every rank's [waiting, running], published to the API servers for least-loaded routing."""
+    """Every rank's [waiting, running], published to the API servers for least-loaded routing,
+    and every rank's cumulative [steps, dummy steps, requests] (for /metrics)."""
 
     ranks: dict[int, list[int]]
     published_at: float
+    counters: dict[int, list[int]] = {}
 
 
 coordinator_in = msgspec.msgpack.Decoder(CoreLoad)
 coordinator_out = msgspec.msgpack.Decoder(LoadStats)
+
+
+# --dp-lockstep: the wave protocol. While any rank has work, every live rank runs one step (a dummy
+# when it has none) per `WaveGo`, reports it with a `WaveReport`, and waits for the next go.
+# Cores PUSH reports on their coordinator socket; the coordinator PUBlishes gos on --wave-address.
+
+
+class WaveReport(msgspec.Struct, tag="wave_report", array_like=True):
+    """A core ran step `step` of wave `wave` (of the coordinator instance `epoch`) and now has work
+    or not. step = -1 (nothing run yet in that epoch) with has_work: "I have work, start a wave".
+    A core with new work after reporting none says so again at once."""
+
+    dp_rank: int
+    epoch: str
+    wave: int
+    step: int
+    has_work: bool
+
+
+class WaveGo(msgspec.Struct, tag="wave_go", array_like=True):
+    """Every rank: run step `step` of wave `wave`. `ranks` are those the barrier waits for.
+    Published again while the barrier waits, so a rank that (re)joins syncs to it."""
+
+    epoch: str
+    wave: int
+    step: int
+    ranks: list[int]
+
+
+class WaveEnd(msgspec.Struct, tag="wave_end", array_like=True):
+    """No live rank had work after the last step of wave `wave`: idle ranks stop stepping."""
+
+    epoch: str
+    wave: int
+
+
+to_coordinator = msgspec.msgpack.Decoder(CoreLoad | WaveReport)
+from_waves = msgspec.msgpack.Decoder(WaveGo | WaveEnd)

@@ -41,6 +41,7 @@ class SchedulerOutput(msgspec.Struct, tag="step", omit_defaults=True):
     cached_requests: list[CachedRequest] = []
     num_scheduled_tokens: dict[str, int] = {}
     finished_req_ids: list[str] = []  # workers drop their state for these
+    dummy: bool = False  # a one-token forward that touches no request and samples nothing (--dp-lockstep)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

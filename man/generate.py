@@ -75,7 +75,12 @@ EXAMPLES = [
      ["vsup restart --role worker --dp 0", "vsup stop"]),
     ("Two nodes, DP 4: the head node runs the API servers, the coordinator and DP ranks 0-1; "
      "the second node runs ranks 2-3 headless:",
-     ["vsup serve -dp 4 --dp-size-local 2", "vsup serve -dp 4 --dp-size-local 2 --dp-start-rank 2 --headless"]),
+     ["export VSUP_CLUSTER_SECRET=...   # the same on both nodes",
+      "vsup serve -dp 4 --dp-size-local 2 --dp-address 10.0.0.1:29550",
+      "vsup serve -dp 4 --dp-size-local 2 --dp-start-rank 2 --headless --dp-address 10.0.0.1:29550"]),
+    ("One TP 4 group across two nodes: node 0 runs the API server, the engine core and tp0-tp1, node 1 tp2-tp3:",
+     ["vsup serve -tp 4 --nnodes 2 --master-addr 10.0.0.1",
+      "vsup serve -tp 4 --nnodes 2 --node-rank 1 --headless --master-addr 10.0.0.1"]),
 ]
 
 EXIT_STATUS = [

@@ -1,7 +1,12 @@
 """Where the processes of one deployment meet: socket paths and shared-memory names.
 
 All of them live in the deployment's run dir (mode 0700) or carry its name,
-so two deployments on one host never collide. Pure: strings in, strings out.
+so two deployments on one host never collide. A deployment that spans nodes
+(`--dp-address HOST:PORT`) puts what other nodes reach on tcp://, one port
+each from PORT up (see `DP_PORTS`), CurveZMQ-encrypted (engine/cluster.py);
+a TP x PP group that spans nodes (`--nnodes`) meets at --master-port and
+the next two ports (`MASTER_PORTS`).
+Pure: strings in, strings out.
 """
 
 from __future__ import annotations
@@ -11,14 +16,38 @@ import re
 
 SHM_PREFIX = "vsup-"
 
+# what the head node binds for other nodes, as offsets from --dp-address's port
+DP_PORTS = {"coordinator-in": 0, "coordinator-out": 1, "coordinator-waves": 2, "api-server a0": 3}
+# what node 0 binds for a TP x PP group that spans nodes (--nnodes), as offsets from --master-port
+MASTER_PORTS = {"torch-distributed": 0, "core-workers": 1, "ring-remote": 2}
 
-def api_server_engine_socket(run_dir: str, a: int) -> str:
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[V6]:PORT') -> (host, port); ValueError saying what is wrong."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port from 1 to 65535, got {address!r}")
+    return host, int(port)
+
+
+def _tcp(dp_address: str, offset: int) -> str:
+    host, port = split_host_port(dp_address)
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port + offset}"
+
+
+def api_server_engine_socket(run_dir: str, a: int, dp_address: str | None = None) -> str:
     """The ROUTER an API server binds and every engine core connects to."""
+    if dp_address:
+        return _tcp(dp_address, DP_PORTS["api-server a0"] + a)
     return f"ipc://{os.path.join(run_dir, f'a{a}-engines.sock')}"
 
 
-def core_worker_socket(run_dir: str, dp: int) -> str:
-    """The ROUTER an engine core binds and its workers connect to."""
+def core_worker_socket(run_dir: str, dp: int, master: str | None = None) -> str:
+    """The ROUTER an engine core binds and its workers connect to (at --master-port + 1 when the
+    group spans nodes: `master` is 'HOST:PORT')."""
+    if master:
+        return _tcp(master, MASTER_PORTS["core-workers"])
     return f"ipc://{os.path.join(run_dir, f'dp{dp}-workers.sock')}"
 
 
@@ -41,19 +70,38 @@ def ring_pattern(name: str) -> str:
     return re.escape(f"{SHM_PREFIX}{name}-dp") + r"\d+-[0-9a-f]+"
 
 
-def dist_init_method(run_dir: str, dp: int, generation: int) -> str:
-    """torch.distributed rendezvous of one worker group; a new file for every generation."""
+def ring_remote_socket(master: str) -> str:
+    """Where a group spanning nodes sends each step to its workers on other nodes."""
+    return _tcp(master, MASTER_PORTS["ring-remote"])
+
+
+def dist_init_method(run_dir: str, dp: int, generation: int, master: str | None = None) -> str:
+    """torch.distributed rendezvous of one worker group; a new file for every generation (or node 0's
+    TCP store at --master-port when the group spans nodes)."""
+    if master:
+        return _tcp(master, MASTER_PORTS["torch-distributed"])
     return f"file://{os.path.join(run_dir, f'dp{dp}-dist-{generation}')}"
 
 
-def coordinator_input_socket(run_dir: str) -> str:
-    """Where engine cores push their load to the coordinator."""
+def coordinator_input_socket(run_dir: str, dp_address: str | None = None) -> str:
+    """Where engine cores push their load (and, with --dp-lockstep, their steps) to the coordinator."""
+    if dp_address:
+        return _tcp(dp_address, DP_PORTS["coordinator-in"])
     return f"ipc://{os.path.join(run_dir, 'coordinator-in.sock')}"
 
 
-def coordinator_output_socket(run_dir: str) -> str:
+def coordinator_output_socket(run_dir: str, dp_address: str | None = None) -> str:
     """Where API servers subscribe to every rank's load."""
+    if dp_address:
+        return _tcp(dp_address, DP_PORTS["coordinator-out"])
     return f"ipc://{os.path.join(run_dir, 'coordinator-out.sock')}"
+
+
+def coordinator_wave_socket(run_dir: str, dp_address: str | None = None) -> str:
+    """Where engine cores subscribe to the coordinator's wave messages (--dp-lockstep)."""
+    if dp_address:
+        return _tcp(dp_address, DP_PORTS["coordinator-waves"])
+    return f"ipc://{os.path.join(run_dir, 'coordinator-waves.sock')}"
 
 
 def state_file(run_dir: str) -> str:

@@ -59,3 +59,13 @@ def check_devices(device: str, needed: int) -> None:
             f"--device cuda: this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} "
             f"{'is' if visible == 1 else 'are'} visible; lower -tp/-pp/-dp or --dp-size-local, "
             f"or use --device cpu")
+
+
+def cpu_shares(allowed: list[int], num_workers: int) -> list[list[int]]:
+    """Each CPU worker's own cores: `allowed` split into equal runs, one per worker, in order
+    (the rest unused); [] for everyone when there are fewer cores than workers (no pinning)."""
+    share = len(allowed) // num_workers if num_workers else 0
+    if share < 1:
+        return [[] for _ in range(num_workers)]
+    cores = sorted(allowed)
+    return [cores[i * share:(i + 1) * share] for i in range(num_workers)]

@@ -18,6 +18,8 @@ def _tree_rows(processes: list[ProcessSpec]) -> list[tuple[str, ProcessSpec]]:
     workers = [p for p in processes if p.role == WORKER]
     has_core = any(p.role == ENGINE_CORE for p in processes)
     top = [p for p in processes if p.role != WORKER]
+    if not top:  # a node with only workers of a group that spans nodes: their core is on node 0
+        top, workers = workers, []
     rows = []
     for i, parent in enumerate(top):
         last = i == len(top) - 1

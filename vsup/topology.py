@@ -59,6 +59,11 @@ class ParallelConfig:
     data_parallel_size_local: int | None = None
     data_parallel_start_rank: int | None = None
     headless: bool = False
+    dp_address: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     device: str = "cpu"
     multiprocessing: bool = True
 
@@ -76,6 +81,11 @@ class ParallelConfig:
         self._check_in_process()
 
     def _check_nodes(self):
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1 (got {self.nnodes})")
+        if self.nnodes > 1 or self.node_rank:
+            self._check_spanning()
+            return
         dp, local, start = self.data_parallel_size, self.data_parallel_size_local, self.data_parallel_start_rank
         if local is not None and not 1 <= local <= dp:
             raise UsageError(f"--dp-size-local must be between 1 and -dp/--data-parallel-size ({dp}), got {local}")
@@ -84,8 +94,6 @@ class ParallelConfig:
                 raise UsageError("--headless needs --dp-start-rank: the first data-parallel rank this node runs")
             if start < 1:
                 raise UsageError("--dp-start-rank must be at least 1 on a headless node: rank 0 runs on the head node")
-            if self.api_server_count:
-                raise UsageError("--api-server-count must be 0 with --headless: API servers run on the head node")
         elif start not in (None, 0):
             raise UsageError(f"--dp-start-rank {start} needs --headless: the head node always runs rank 0")
         first = start or 0
@@ -93,8 +101,56 @@ class ParallelConfig:
             raise UsageError(
                 f"--dp-start-rank {first} + --dp-size-local {self.dp_size_local} exceeds "
                 f"-dp/--data-parallel-size {dp}; lower one of them")
-        if not self.headless and self.api_server_count == 0:
-            raise UsageError("--api-server-count must be at least 1 on the head node (use --headless for a node without one)")
+        if self.headless and not self.dp_address:
+            raise UsageError("--headless needs --dp-address HOST:PORT: where the head node's API servers "
+                             "and coordinator listen")
+        if self.api_server_count == 0:
+            raise UsageError("--api-server-count must be at least 1 (a --headless node runs none; there it "
+                             "counts the head node's)")
+        if not self.headless and self.dp_size_local < dp and not self.dp_address:
+            raise UsageError(f"--dp-size-local {self.dp_size_local} of -dp {dp} leaves ranks {self.dp_size_local}-"
+                             f"{dp - 1} to other nodes: give --dp-address HOST:PORT where they reach this head node")
+        if self.dp_address:
+            self._check_dp_address()
+
+    def _check_spanning(self):
+        """One TP x PP group across --nnodes nodes."""
+        n, rank, workers = self.nnodes, self.node_rank, self.workers_per_engine
+        if not 0 <= rank < n:
+            raise UsageError(f"--node-rank must be between 0 and --nnodes - 1 ({n - 1}), got {rank}")
+        if self.data_parallel_size > 1 or self.dp_address or self.data_parallel_start_rank is not None:
+            raise UsageError("--nnodes spans one TP x PP group across nodes and needs -dp 1; data-parallel ranks "
+                             "cross nodes with --dp-address (and --headless --dp-start-rank) instead")
+        if workers % n:
+            raise UsageError(f"-tp x -pp ({workers}) must be a multiple of --nnodes ({n}): every node runs "
+                             f"as many workers of the group")
+        if rank > 0 and not self.headless:
+            raise UsageError(f"--node-rank {rank} runs only its workers: add --headless (node 0 runs the rest)")
+        if rank == 0 and self.headless:
+            raise UsageError("--headless with --nnodes needs --node-rank 1 or more: node 0 runs the engine core")
+        if not 1 <= self.master_port <= 65535 - 2:
+            raise UsageError(f"--master-port must be between 1 and 65533 (it uses the next two ports too), "
+                             f"got {self.master_port}")
+
+    @property
+    def master(self) -> str | None:
+        """'HOST:PORT' where a group spanning nodes meets, else None."""
+        return f"{self.master_addr}:{self.master_port}" if self.nnodes > 1 else None
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.workers_per_engine // self.nnodes
+
+    def _check_dp_address(self):
+        if self.data_parallel_size < 2:
+            raise UsageError("--dp-address is where other nodes' DP ranks join: it needs -dp/--data-parallel-size > 1")
+        try:
+            _, port = addresses.split_host_port(self.dp_address)
+        except ValueError as e:
+            raise UsageError(f"--dp-address: {e}") from None
+        last = port + addresses.DP_PORTS["api-server a0"] + self.head_api_server_count - 1
+        if last > 65535:
+            raise UsageError(f"--dp-address port {port} is too high: the head node uses ports {port}-{last}")
 
     def _check_in_process(self):
         if self.multiprocessing:
@@ -103,8 +159,9 @@ class ParallelConfig:
             raise UsageError("--no-multiprocessing needs -dp/--data-parallel-size 1: each DP rank is its own engine core process")
         if (self.api_server_count or 1) > 1:
             raise UsageError("--no-multiprocessing needs --api-server-count 1: the engine core runs inside the one API server")
-        if self.headless:
-            raise UsageError("--no-multiprocessing cannot be combined with --headless")
+        if self.headless or self.nnodes > 1:
+            raise UsageError("--no-multiprocessing cannot be combined with --headless or --nnodes: "
+                             "the one process cannot span nodes")
 
     @property
     def dp_size_local(self) -> int:
@@ -123,16 +180,18 @@ class ParallelConfig:
 
     @property
     def num_api_servers(self) -> int:
-        if self.headless:
-            return 0
-        if self.api_server_count is not None:
-            return self.api_server_count
-        return self.data_parallel_size
+        """The API servers on this node."""
+        return 0 if self.headless else self.head_api_server_count
+
+    @property
+    def head_api_server_count(self) -> int:
+        """The API servers on the head node, which every engine core connects to (headless nodes too)."""
+        return self.api_server_count if self.api_server_count is not None else self.data_parallel_size
 
     @property
     def devices_per_node(self) -> int:
         """Devices that this node's workers need: one each."""
-        return self.dp_size_local * self.workers_per_engine
+        return self.dp_size_local * self.workers_per_node
 
     def node_of(self, dp_rank: int) -> int:
         """The node a DP rank lives on: the head (0) holds the first ranks;
@@ -200,27 +259,32 @@ def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: st
                  a: int | None = None, dp: int | None = None, **_) -> tuple[str, ...]:
     """The sockets and shared-memory names a process needs to find its peers."""
     has_coordinator = config.data_parallel_size > 1
+    net = config.dp_address  # None: every socket is ipc:// in the run dir
+    master = config.master   # None: the worker group lives on one node
     if role == API_SERVER:
-        coordinator = ("--coordinator-address", addresses.coordinator_output_socket(run_dir)) if has_coordinator else ()
+        coordinator = ("--coordinator-address", addresses.coordinator_output_socket(run_dir, net)) if has_coordinator else ()
         workers = ()
         if not config.multiprocessing and config.workers_per_engine > 1:  # the core, inside, meets its workers
             workers = ("--worker-address", addresses.core_worker_socket(run_dir, 0),
                        "--ring-prefix", addresses.ring_prefix(deployment, 0),
                        "--wakeup-address", addresses.ring_wakeup_socket(run_dir, 0))
-        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a),
+        return ("--engine-address", addresses.api_server_engine_socket(run_dir, a, net),
                 "--state-file", addresses.state_file(run_dir), *coordinator, *workers)
     if role == ENGINE_CORE:
-        servers = [x for i in range(config.num_api_servers)
-                   for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i))]
-        coordinator = ("--coordinator-address", addresses.coordinator_input_socket(run_dir)) if has_coordinator else ()
-        return (*servers, "--worker-address", addresses.core_worker_socket(run_dir, dp),
+        servers = [x for i in range(config.head_api_server_count)
+                   for x in ("--api-server-address", addresses.api_server_engine_socket(run_dir, i, net))]
+        coordinator = ("--coordinator-address", addresses.coordinator_input_socket(run_dir, net),
+                       "--wave-address", addresses.coordinator_wave_socket(run_dir, net)) if has_coordinator else ()
+        remote = ("--ring-remote-address", addresses.ring_remote_socket(master)) if master else ()
+        return (*servers, "--worker-address", addresses.core_worker_socket(run_dir, dp, master), *remote,
                 "--control-address", addresses.core_control_socket(run_dir, dp),
                 "--ring-prefix", addresses.ring_prefix(deployment, dp),
                 "--wakeup-address", addresses.ring_wakeup_socket(run_dir, dp), *coordinator)
     if role == WORKER:
-        return ("--core-address", addresses.core_worker_socket(run_dir, dp))
-    return ("--input-address", addresses.coordinator_input_socket(run_dir),
-            "--output-address", addresses.coordinator_output_socket(run_dir))
+        return ("--core-address", addresses.core_worker_socket(run_dir, dp, master))
+    return ("--input-address", addresses.coordinator_input_socket(run_dir, net),
+            "--output-address", addresses.coordinator_output_socket(run_dir, net),
+            "--wave-address", addresses.coordinator_wave_socket(run_dir, net))
 
 
 def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[str, ...] = (),
@@ -248,8 +312,16 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
     def device_of(dp: int, pp: int, tp: int) -> str:
         if config.device == "cpu":
             return "cpu"
+        if config.nnodes > 1:
+            return f"cuda:{(pp * tp_size + tp) % config.workers_per_node}"
         local_index = (dp - config.dp_start_rank) % config.dp_size_local
         return f"cuda:{local_index * config.workers_per_engine + pp * tp_size + tp}"
+
+    def worker(dp: int, pp: int, tp: int, node: int) -> ProcessSpec:
+        spanning = ("--node-rank", str(node)) if config.nnodes > 1 else ()
+        return spec(WORKER, node, device_of(dp, pp, tp),
+                    ("--dp-rank", str(dp), "--pp-rank", str(pp), "--tp-rank", str(tp),
+                     "--device", device_of(dp, pp, tp), *spanning), dp=dp, pp=pp, tp=tp)
 
     if not config.multiprocessing:
         # the engine core runs inside the API server; with TP = PP = 1 the worker too
@@ -257,11 +329,18 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
         processes = [spec(API_SERVER, 0, device_of(0, 0, 0) if inside else None,
                           ("--api-server-rank", "0", "--api-server-count", "1", "--no-multiprocessing"), a=0)]
         if not inside:
-            processes += [spec(WORKER, 0, device_of(0, pp, tp),
-                               ("--dp-rank", "0", "--pp-rank", str(pp), "--tp-rank", str(tp),
-                                "--device", device_of(0, pp, tp)), dp=0, pp=pp, tp=tp)
-                          for pp in range(pp_size) for tp in range(tp_size)]
+            processes += [worker(0, pp, tp, 0) for pp in range(pp_size) for tp in range(tp_size)]
         return Plan(config, tuple(processes))
+
+    if config.nnodes > 1:  # one group across nodes: node 0 has the API servers and the core
+        workers = [worker(0, pp, tp, (pp * tp_size + tp) // config.workers_per_node)
+                   for pp in range(pp_size) for tp in range(tp_size)]
+        if config.headless:
+            return Plan(config, tuple(w for w in workers if w.node == config.node_rank))
+        processes = [spec(API_SERVER, 0, None, ("--api-server-rank", str(a), "--api-server-count",
+                                                str(config.num_api_servers)), a=a)
+                     for a in range(config.num_api_servers)]
+        return Plan(config, (*processes, spec(ENGINE_CORE, 0, None, ("--dp-rank", "0"), dp=0), *workers))
 
     first = config.dp_start_rank
     dp_ranks = range(first, dp_size) if not config.headless else range(first, first + config.dp_size_local)
@@ -271,9 +350,7 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
                  for a in range(config.num_api_servers)]
     processes += [spec(ENGINE_CORE, config.node_of(dp), None, ("--dp-rank", str(dp)), dp=dp)
                   for dp in dp_ranks]
-    processes += [spec(WORKER, config.node_of(dp), device_of(dp, pp, tp),
-                       ("--dp-rank", str(dp), "--pp-rank", str(pp), "--tp-rank", str(tp),
-                        "--device", device_of(dp, pp, tp)), dp=dp, pp=pp, tp=tp)
+    processes += [worker(dp, pp, tp, config.node_of(dp))
                   for dp in dp_ranks for pp in range(pp_size) for tp in range(tp_size)]
     if dp_size > 1 and not config.headless:
         processes.append(spec(COORDINATOR, head, None, ()))

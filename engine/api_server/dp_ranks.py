@@ -26,6 +26,7 @@ class RankState:
     state: str = UNKNOWN
     instance: str | None = None
     pid: int | None = None
+    node: str = ""                    # the host the core runs on, from its Hello
     was_ready: bool = False           # ready at least once: a restart is a blip, not a start
     last_heard: float | None = None
     error: str | None = None
@@ -33,6 +34,7 @@ class RankState:
     num_in_flight: int = 0            # this API server's unfinished requests on the rank
     external_load: int | None = None  # requests from all API servers, when a coordinator says
     num_restarts: int = 0
+    counters: tuple[int, int, int] | None = None  # the core's [steps, dummy steps, requests], from the coordinator
 
 
 class DpRanks:
@@ -59,7 +61,7 @@ class DpRanks:
 
     # what the cores say
 
-    def on_hello(self, dp_rank: int, instance: str, pid: int | None = None) -> bool:
+    def on_hello(self, dp_rank: int, instance: str, pid: int | None = None, node: str = "") -> bool:
         """A core (re)started; True when it replaces an instance this API server knew."""
         rank = self.get(dp_rank)
         replaced = rank.instance is not None and rank.instance != instance
@@ -67,6 +69,7 @@ class DpRanks:
             rank.state, rank.error = STARTING, None
             rank.num_restarts += replaced
         rank.instance, rank.pid = instance, pid if pid is not None else rank.pid
+        rank.node = node or rank.node
         self.heard(dp_rank)
         return replaced
 
@@ -104,12 +107,22 @@ class DpRanks:
         rank = self.get(dp_rank)
         return rank.state == READY and self._is_fresh(rank)
 
+    def is_fresh(self, dp_rank: int) -> bool:
+        """Heard from within the heartbeat timeout."""
+        return self._is_fresh(self.get(dp_rank))
+
+    def seconds_since_heard(self, dp_rank: int) -> float | None:
+        heard = self.get(dp_rank).last_heard
+        return None if heard is None else round(self.clock() - heard, 3)
+
     def _is_fresh(self, rank: RankState) -> bool:
         return rank.last_heard is not None and self.clock() - rank.last_heard <= self.heartbeat_timeout_s
 
-    def choose(self, exclude: frozenset[int] = frozenset()) -> int:
-        """The least-loaded routable rank, preferring ranks heard from lately; raises EngineUnavailable."""
-        candidates = [r for r in self.ranks.values() if r.dp_rank not in exclude and self.is_routable(r.dp_rank)]
+    def choose(self, exclude: frozenset[int] = frozenset(), fresh_only: bool = False) -> int:
+        """The least-loaded routable rank, preferring ranks heard from lately (with `fresh_only`, only
+        those); raises EngineUnavailable."""
+        candidates = [r for r in self.ranks.values() if r.dp_rank not in exclude and self.is_routable(r.dp_rank)
+                      and (self._is_fresh(r) or not fresh_only)]
         if not candidates:
             raise EngineUnavailable(self.why_unavailable())
         best = min(candidates, key=lambda r: (not self._is_fresh(r), r.state != READY, self.load(r), r.dp_rank))
@@ -138,7 +151,8 @@ class DpRanks:
         for r in sorted(self.ranks.values(), key=lambda r: r.dp_rank):
             ranks[str(r.dp_rank)] = {
                 "state": r.state if r.state != READY or self._is_fresh(r) else "unresponsive",
-                "pid": r.pid, "num_in_flight": r.num_in_flight, "num_restarts": r.num_restarts,
+                "pid": r.pid, "node": r.node or None, "num_in_flight": r.num_in_flight,
+                "num_restarts": r.num_restarts,
                 "seconds_since_heard": None if r.last_heard is None else round(now - r.last_heard, 3),
                 **({"error": r.error} if r.error else {}),
             }
@@ -147,4 +161,6 @@ class DpRanks:
         down = [r for r in self.ranks if r not in up and r not in failed]
         status = ("ok" if not down and not failed else "degraded") if up else (
             "unavailable" if failed or any(s.was_ready for s in self.ranks.values()) else "starting")
-        return {"status": status, "up": sorted(up), "down": sorted(down), "failed": sorted(failed), "dp_ranks": ranks}
+        names = [f"dp{r} {'failed' if r in failed else 'down'}" for r in sorted([*down, *failed])]
+        return {"status": status, "up": sorted(up), "down": sorted(down), "failed": sorted(failed),
+                **({"message": ", ".join(names)} if names else {}), "dp_ranks": ranks}

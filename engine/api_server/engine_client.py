@@ -22,11 +22,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engine import cluster
 from engine.api_server.client_base import ClientBase
 from engine.api_server.dp_ranks import EngineUnavailable
 from engine.api_server.request_stream import RequestStream
 from engine.core.request import FinishReason
-from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, UtilityCall,
+from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, Refused, UtilityCall,
                              UtilityResult, coordinator_out, encoder, from_core)
 from engine.sampling.params import SamplingParams
 
@@ -39,10 +40,15 @@ class EngineClient(ClientBase):
     """Sends requests to the DP ranks' engine cores and routes their outputs back to streams."""
 
     def __init__(self, address: str, data_parallel_size: int = 1, *, heartbeat_timeout_s: float = 5.0,
-                 coordinator_address: str | None = None):
+                 coordinator_address: str | None = None, fingerprint: dict[str, str] | None = None):
+        """`fingerprint`: what a core's Hello must carry to be served (engine/cluster.py); None admits any."""
         super().__init__(data_parallel_size, heartbeat_timeout_s)
         self.address = address
         self.coordinator_address = coordinator_address
+        self.fingerprint = fingerprint
+        self.refused: dict[str, str] = {}  # instance -> why: its messages are ignored
+        self._guard: cluster.Guard | None = None
+        self._watchdog: asyncio.Task | None = None
         self._load_reader: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
@@ -55,13 +61,18 @@ class EngineClient(ClientBase):
     async def start(self) -> None:
         """Bind the ROUTER the engine cores connect to, and start reading it."""
         self._ctx = zmq.asyncio.Context()
+        if cluster.is_remote(self.address):  # other nodes' cores connect: refuse who lacks the cluster secret
+            self._guard = cluster.Guard(self._ctx).start()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished core raises instead of vanishing
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a replacement core takes over its identity at once
-        sock.bind(self.address)
+        cluster.bind(sock, self.address)
+        if self._guard is not None:
+            self._guard.watch(sock, self.address)
         self._sock = sock
         self._receiver = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+        self._watchdog = asyncio.create_task(self._watch_loop(), name="engine-client-watchdog")
         if self.coordinator_address:
             self._load_reader = asyncio.create_task(self._load_loop(), name="engine-client-load")
         log.info("waiting for engine cores", address=self.address, data_parallel_size=len(self.ranks.ranks))
@@ -70,12 +81,14 @@ class EngineClient(ClientBase):
         """Abort what is still running (the cores would otherwise finish it for nobody), then close."""
         for stream in list(self.requests.values()):
             self.abort(stream)
-        for task in (self._receiver, self._load_reader):
+        for task in (self._receiver, self._load_reader, self._watchdog):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
+            if self._guard is not None:
+                self._guard.stop()
             self._ctx.term()
             self._sock = None
 
@@ -171,7 +184,7 @@ class EngineClient(ClientBase):
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.coordinator_address)
+        cluster.connect(sock, self.coordinator_address)
         try:
             while True:
                 raw = await sock.recv()
@@ -183,20 +196,47 @@ class EngineClient(ClientBase):
                 for dp_rank, (num_waiting, num_running) in stats.ranks.items():
                     if dp_rank in self.ranks.ranks:
                         self.ranks.set_external_load(dp_rank, num_waiting + num_running)
+                for dp_rank, counters in stats.counters.items():
+                    if dp_rank in self.ranks.ranks and len(counters) == 3:  # [steps, dummy steps, requests]
+                        self.ranks.get(dp_rank).counters = tuple(counters)
         finally:
             sock.close()
 
+    async def _watch_loop(self) -> None:
+        """Move the requests of a rank not heard from within the heartbeat timeout (its node may be
+        gone) to ranks that are up; the rank takes requests again once it is heard from."""
+        while True:
+            await asyncio.sleep(1.0)
+            for dp_rank in list(self.ranks.ranks):
+                held = [s for s in self.requests.values() if s.dp_rank == dp_rank]
+                if not held or self.ranks.is_fresh(dp_rank):
+                    continue
+                try:
+                    self.ranks.choose(exclude=frozenset({dp_rank}), fresh_only=True)
+                except EngineUnavailable:
+                    continue  # nowhere better: they wait for the rank (or its replacement)
+                log.warning("engine core unresponsive; moving its requests", dp_rank=dp_rank,
+                            num_requests=len(held), seconds_since_heard=self.ranks.seconds_since_heard(dp_rank))
+                self._send(dp_rank, AbortRequests([s.wire_id for s in held]))  # should it still be there
+                for stream in held:
+                    self._submit(stream, self.ranks.choose(exclude=frozenset({dp_rank}), fresh_only=True))
+
     def _dispatch(self, msg) -> None:
+        if getattr(msg, "instance", None) in self.refused:
+            return
         if isinstance(msg, Outputs):
             self._deliver(msg.dp_rank, msg.outputs, msg.stats)
         elif isinstance(msg, Ready):
-            if self.ranks.get(msg.dp_rank).instance != msg.instance:
+            if self.ranks.get(msg.dp_rank).instance != msg.instance:  # its Hello was before our time
+                if self._refuse(msg.dp_rank, msg.instance, fingerprint_hash=msg.fingerprint_hash):
+                    return
                 self._on_hello(msg.dp_rank, msg.instance, None)
             if self.ranks.on_ready(msg.dp_rank, msg.max_model_len):
                 log.info("engine core ready", dp_rank=msg.dp_rank, max_model_len=msg.max_model_len,
                          num_blocks=msg.num_blocks)
         elif isinstance(msg, Hello):
-            self._on_hello(msg.dp_rank, msg.instance, msg.pid)
+            if not self._refuse(msg.dp_rank, msg.instance, msg.fingerprint, pid=msg.pid, node=msg.node):
+                self._on_hello(msg.dp_rank, msg.instance, msg.pid, msg.node)
         elif isinstance(msg, Failed):
             self._on_failed(msg.dp_rank, msg.error)
         elif isinstance(msg, UtilityResult):
@@ -207,8 +247,32 @@ class EngineClient(ClientBase):
                 else:
                     future.set_result(msg.result)
 
-    def _on_hello(self, dp_rank: int, instance: str, pid: int | None) -> None:
-        replaced = self.ranks.on_hello(dp_rank, instance, pid)
+    def _refuse(self, dp_rank: int, instance: str, fingerprint: dict[str, str] | None = None,
+                fingerprint_hash: str = "", **who) -> bool:
+        """Refuse a core whose plan or model differs from ours (it exits, saying why); True if refused.
+
+        Hello carries the whole fingerprint, so the refusal names what differs; a Ready from a core
+        whose Hello this API server never saw (it restarted) carries only the hash."""
+        if self.fingerprint is None:
+            return False
+        if fingerprint:
+            why = cluster.differences(self.fingerprint, fingerprint)
+            told = cluster.differences(self.fingerprint, fingerprint, here="on the head node", there="here")
+        elif fingerprint_hash:
+            ours = cluster.fingerprint_hash(self.fingerprint)
+            why = "" if fingerprint_hash == ours else f"fingerprint {ours} here, {fingerprint_hash} on the peer"
+            told = f"fingerprint {ours} on the head node, {fingerprint_hash} here"
+        else:
+            why = told = "it sent no fingerprint (another vsup version?)"
+        if not why:
+            return False
+        self.refused[instance] = why
+        log.error("refused engine core: its plan or model differs", dp_rank=dp_rank, **who, differences=why)
+        self._send(dp_rank, Refused(f"the plan or model differs: {told}"))
+        return True
+
+    def _on_hello(self, dp_rank: int, instance: str, pid: int | None, node: str = "") -> None:
+        replaced = self.ranks.on_hello(dp_rank, instance, pid, node)
         log.info("engine core says hello", dp_rank=dp_rank, pid=pid, replaced=replaced)
         if not replaced:
             return

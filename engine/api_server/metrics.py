@@ -4,6 +4,10 @@ Each API server has its own registry (tests run several in one process);
 `/metrics` refreshes the cores' scheduler stats first, so running, waiting
 and KV cache usage are those of the scrape, not of the last output.
 
+With DP > 1 the coordinator publishes each core's counters, shown per dp_rank:
+`vsup_engine_steps_total` (steps with a batch of requests), `vsup_engine_dummy_steps_total`
+(--dp-lockstep: steps an idle rank ran beside a busy one) and `vsup_engine_requests_total`.
+
 Restarts: `vsup_restarts_total{role}`. Under `vsup serve` they come from the
 supervisor's state.json (`--state-file`), which counts every role; without
 it, the API server counts the engine cores it saw replaced (a Hello with a
@@ -111,11 +115,22 @@ class EngineStatsCollector(Collector):
                                labels=["dp_rank"])
         in_flight = GaugeMetricFamily("vsup_api_server_requests_in_flight",
                                       "This API server's unfinished requests on the DP rank.", labels=["dp_rank"])
+        # counted by the cores, published by the coordinator (DP > 1): absent without one
+        steps = CounterMetricFamily("vsup_engine_steps", "Steps the DP rank's engine core ran with a batch of "
+                                    "requests.", labels=["dp_rank"])
+        dummy_steps = CounterMetricFamily("vsup_engine_dummy_steps", "Dummy steps the DP rank ran with no request, "
+                                          "to step with the other ranks (--dp-lockstep).", labels=["dp_rank"])
+        requests = CounterMetricFamily("vsup_engine_requests", "Requests the DP rank's engine core took, from "
+                                       "every API server (a resubmitted request counts again).", labels=["dp_rank"])
         ranks = self.client.ranks
         for dp_rank in sorted(ranks.ranks):
             label = [str(dp_rank)]
             up.add_metric(label, 1.0 if ranks.is_up(dp_rank) else 0.0)
             in_flight.add_metric(label, ranks.get(dp_rank).num_in_flight)
+            counters = getattr(ranks.get(dp_rank), "counters", None)
+            if counters is not None:
+                for family, value in zip((steps, dummy_steps, requests), counters):
+                    family.add_metric(label, value)
             stats = self.client.stats.get(dp_rank)
             if stats is None:
                 continue
@@ -124,7 +139,7 @@ class EngineStatsCollector(Collector):
             kv_usage.add_metric(label, stats.kv_cache_usage)
             hit_rate.add_metric(label, stats.prefix_cache_hit_rate)
             preemptions.add_metric(label, stats.num_preemptions)
-        yield from (running, waiting, kv_usage, hit_rate, preemptions, up, in_flight)
+        yield from (running, waiting, kv_usage, hit_rate, preemptions, up, in_flight, steps, dummy_steps, requests)
 
 
 class SupervisorRestartsCollector(Collector):

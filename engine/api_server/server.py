@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--dp-lockstep", action="store_true", help="DP ranks step together (part of the fingerprint)")
     args, _unknown = p.parse_known_args(argv)
     if args.multiprocessing and not args.engine_address:
         p.error("--engine-address is required (or run in-process with --no-multiprocessing)")
@@ -97,10 +98,16 @@ def build(args: argparse.Namespace):
 
     model_config = ModelConfig.from_pretrained(args.model)
     if args.multiprocessing:
+        from engine import cluster
         from engine.api_server.engine_client import EngineClient
+        fingerprint = cluster.fingerprint(
+            args.model, tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+            api_server_count=args.api_server_count, dtype=args.dtype, max_model_len=args.max_model_len,
+            block_size=args.block_size, dp_lockstep=args.dp_lockstep)
         client = EngineClient(args.engine_address, args.data_parallel_size,
                               heartbeat_timeout_s=args.engine_heartbeat_timeout,
-                              coordinator_address=args.coordinator_address)
+                              coordinator_address=args.coordinator_address, fingerprint=fingerprint)
     else:
         from engine.api_server.inproc_client import InprocClient, InprocConfig
         client = InprocClient(InprocConfig(

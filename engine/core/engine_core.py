@@ -31,7 +31,9 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(config)
         self.executor = executor
-        self.num_steps = 0
+        self.num_steps = 0        # steps that ran a batch of requests
+        self.num_dummy_steps = 0  # --dp-lockstep: steps with no request, to keep in step with other ranks
+        self.num_requests = 0     # requests taken (a resubmission counts again)
         self.num_groups = num_batches_in_flight
         self.inflight: deque[tuple[int, SchedulerOutput]] = deque()  # (group, step) in submission order
         self.next_group = 0
@@ -51,7 +53,10 @@ class EngineCore:
             bad = [t for t in (*add.prompt_token_ids, *add.output_token_ids) if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-            return self.scheduler.add(Request(add.req_id, add.prompt_token_ids, add.sampling, add.output_token_ids))
+            refused = self.scheduler.add(Request(add.req_id, add.prompt_token_ids, add.sampling,
+                                                 add.output_token_ids))
+            self.num_requests += refused is None
+            return refused
         except ValueError as e:
             log.warning("request refused", req_id=add.req_id, error=str(e))
             return RequestUpdate(add.req_id, finish_reason=FinishReason.ERROR, error=str(e))
@@ -92,6 +97,21 @@ class EngineCore:
             self.num_steps += 1
             updates += self.scheduler.update_from_output(scheduler_output, model_output)
         return updates
+
+    def dummy_step(self) -> None:
+        """One forward of a one-token dummy batch on every worker, through the same ring as a real
+        step (so a mixture-of-experts model would enter its collectives on every rank), touching
+        no request and no KV block of the cache; it samples nothing. What an idle DP rank runs
+        while another rank has work, with --dp-lockstep (vLLM's execute_dummy_batch).
+
+        Only between steps: with nothing in flight (pipeline parallelism), since the group answers
+        steps in submission order."""
+        if self.inflight:
+            raise RuntimeError("a dummy step cannot overtake batches in flight")
+        step_id = -1 - self.num_dummy_steps  # real steps count up from 1: the ids never meet
+        self.executor.submit(SchedulerOutput(step_id=step_id, dummy=True))
+        self.executor.wait(step_id)
+        self.num_dummy_steps += 1
 
     # losing and regaining the workers
 

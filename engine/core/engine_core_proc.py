@@ -13,6 +13,7 @@ group dies the core requeues its requests and waits for the new group.
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 
@@ -20,21 +21,30 @@ import msgspec
 import structlog
 import zmq
 
+from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestUpdate
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.model.config import ModelConfig, eos_token_ids
-from engine.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Stop, UtilityCall,
-                             UtilityResult, WorkersLost, control, encoder, to_core)
+from engine.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused, Stop,
+                             UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost, control, encoder,
+                             from_waves, to_core)
 
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
+LOAD_COUNTERS_S = 0.1  # step counters reach the coordinator this often while they run
+WAVE_RESYNC_S = 2.0    # --dp-lockstep: with work and no go for this long, ask the coordinator again
 
 
 class CoreFailed(RuntimeError):
     """The core cannot serve: its workers never came (back)."""
+
+
+class CoreRefused(CoreFailed):
+    """An API server will not serve with this core (its plan or model differs): it must not say Failed
+    for a rank that may be someone else's."""
 
 
 class EngineCoreProc:
@@ -50,14 +60,31 @@ class EngineCoreProc:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"dp{self.dp_rank}".encode())
             sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(address)
+            cluster.connect(sock, address)
             self.clients.append(sock)
+        self.handshakes = [cluster.HandshakeWatch(sock, address)
+                           for sock, address in zip(self.clients, args.api_server_address) if cluster.is_remote(address)]
         self.coordinator = None
         if args.coordinator_address:
             self.coordinator = self.ctx.socket(zmq.PUSH)
             self.coordinator.setsockopt(zmq.LINGER, 0)
             self.coordinator.setsockopt(zmq.SNDHWM, 100)
-            self.coordinator.connect(args.coordinator_address)
+            cluster.connect(self.coordinator, args.coordinator_address)
+        # --dp-lockstep (DP > 1): the coordinator's step waves
+        self.waves = None
+        if args.dp_lockstep and args.wave_address and self.coordinator is not None:
+            self.waves = self.ctx.socket(zmq.SUB)
+            self.waves.setsockopt(zmq.LINGER, 0)
+            self.waves.setsockopt(zmq.SUBSCRIBE, b"")
+            cluster.connect(self.waves, args.wave_address)
+        self.wave_epoch = ""                          # the coordinator instance whose waves we follow
+        self.wave_done: tuple[int, int] | None = None  # (wave, step) we last ran in that epoch
+        self.wave_go: tuple[int, int] | None = None    # (wave, step) the coordinator says to run now
+        self.in_wave = False
+        self.reported_work = False                     # what our last report said
+        self.last_wave_report = 0.0
+        self.last_counters: tuple[int, int, int] | None = None
+        self.last_load_at = 0.0
         self.last_load: tuple[int, int] | None = None
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -71,7 +98,10 @@ class EngineCoreProc:
     # lifecycle
 
     def run(self) -> None:
-        self.say(Hello(dp_rank=self.dp_rank, instance=self.instance, pid=os.getpid()))
+        fingerprint = fingerprint_of(self.args)
+        self.fingerprint_hash = cluster.fingerprint_hash(fingerprint)
+        self.say(Hello(dp_rank=self.dp_rank, instance=self.instance, pid=os.getpid(),
+                       fingerprint=fingerprint, node=socket.gethostname()))
         self.group = self.start_group(self.args.startup_timeout)
         max_model_len = self.args.max_model_len or self.model_config.max_model_len
         config = SchedulerConfig(
@@ -93,7 +123,8 @@ class EngineCoreProc:
         """Bind the workers' socket, wait for all their READYs, have them allocate the cache."""
         a = self.args
         group = WorkerGroup(a.worker_address, a.tensor_parallel_size * a.pipeline_parallel_size,
-                            ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address, ctx=self.ctx,
+                            ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address,
+                            remote_address=a.ring_remote_address, ctx=self.ctx,
                             interrupt=self.control, on_interrupt=self.on_control)
         try:
             group.wait_for_ready(timeout_s)
@@ -105,21 +136,33 @@ class EngineCoreProc:
 
     def loop(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.control, *self.clients):
+        for sock in (self.control, *self.clients, *([self.waves] if self.waves is not None else [])):
             poller.register(sock, zmq.POLLIN)
         last_heartbeat = time.monotonic()
         while True:
-            busy = self.core.executor is not None and self.core.has_work()
+            if self.waves is not None:  # lockstep: step only on the coordinator's go
+                busy = self.core.executor is not None and self.wave_go is not None
+            else:
+                busy = self.core.executor is not None and self.core.has_work()
             for sock, _ in poller.poll(0 if busy else HEARTBEAT_S * 1000):
-                if sock is not self.control:
+                if sock is self.waves:
+                    self.drain_waves()
+                elif sock is not self.control:
                     self.drain_client(sock)
-                    continue
+                else:
+                    try:
+                        self.on_control()
+                    except WorkerGroupFailed as e:
+                        self.lose_workers(str(e))
+            if self.core.executor is not None and not busy:
                 try:
-                    self.on_control()
+                    self.group.check_connections()  # a remote worker lost while idle (a group spanning nodes)
                 except WorkerGroupFailed as e:
                     self.lose_workers(str(e))
             if self.core.executor is None:
                 self.regain_workers()
+            elif self.waves is not None:
+                self.lockstep()
             elif self.core.has_work():
                 try:
                     self.publish(self.core.step())
@@ -131,23 +174,102 @@ class EngineCoreProc:
                 self.say_ready()
                 last_heartbeat = time.monotonic()
 
+    # --dp-lockstep: the waves (engine/coordinator/waves.py)
+
+    def lockstep(self) -> None:
+        """Run the step the coordinator said to run, a dummy one if we have no work, and report it;
+        with work and no go, ask for a wave (again, when no go came for WAVE_RESYNC_S)."""
+        if self.wave_go is not None:
+            wave, step = self.wave_go
+            self.wave_go = None
+            before = self.core.num_steps
+            try:
+                if self.core.has_work():
+                    self.publish(self.core.step())
+                if self.core.num_steps == before and self.core.executor is not None:
+                    self.core.dummy_step()  # nothing of ours ran: step anyway, with the others
+            except WorkerGroupFailed as e:
+                self.lose_workers(str(e))
+                return
+            self.wave_done = (wave, step)
+            self.report_wave()
+            return
+        if not self.core.has_work():
+            return
+        waited = time.monotonic() - self.last_wave_report
+        if not self.reported_work or waited >= WAVE_RESYNC_S:
+            if self.reported_work:
+                log.warning("no go from the coordinator; asking again", waited_s=round(waited, 2),
+                            epoch=self.wave_epoch, last_step=self.wave_done)
+            self.report_wave()
+
+    def report_wave(self) -> None:
+        """Tell the coordinator the step we last ran and whether we have work now."""
+        wave, step = self.wave_done if self.wave_done is not None else (-1, -1)
+        has_work = self.core.has_work()
+        report = WaveReport(self.dp_rank, self.wave_epoch, wave, step, has_work)
+        try:
+            self.coordinator.send(encoder.encode(report), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no coordinator right now: asked again after WAVE_RESYNC_S
+        self.reported_work, self.last_wave_report = has_work, time.monotonic()
+
+    def drain_waves(self) -> None:
+        while True:
+            try:
+                raw = self.waves.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = from_waves.decode(raw)
+            except msgspec.DecodeError as e:
+                log.warning("dropped malformed message", sender="coordinator waves", error=str(e))
+                continue
+            if msg.epoch != self.wave_epoch:
+                if self.wave_epoch:
+                    log.info("a new coordinator runs the waves; following it", epoch=msg.epoch)
+                self.wave_epoch, self.wave_done, self.wave_go = msg.epoch, None, None
+            if isinstance(msg, WaveEnd):
+                if self.wave_done is None or msg.wave >= self.wave_done[0]:
+                    self.in_wave = False
+                if self.wave_go is not None and self.wave_go[0] <= msg.wave:
+                    self.wave_go = None  # a go of a wave that ended without us: running it would step alone
+                continue
+            self.in_wave = True
+            at = (msg.wave, msg.step)
+            if self.wave_done is not None and at <= self.wave_done:
+                if at == self.wave_done and self.wave_go is None:
+                    self.report_wave()  # a go published again: our report may have been lost
+                continue
+            self.wave_go = at  # the newest go wins: a rank that fell behind syncs to it
+
     def report_load(self, force: bool = False) -> None:
-        """Tell the coordinator (DP > 1) our queue lengths when they change, and on every heartbeat."""
+        """Tell the coordinator (DP > 1) our queue lengths when they change, and on every heartbeat;
+        our step and request counters with them, at most every 100 ms while they run, at once when idle."""
         if self.coordinator is None:
             return
         stats = self.core.stats()
         load = (stats.num_waiting, stats.num_running)
-        if force or load != self.last_load:
-            self.last_load = load
+        counters = (self.core.num_steps, self.core.num_dummy_steps, self.core.num_requests)
+        now = time.monotonic()
+        idle = not self.core.has_work() and not self.in_wave
+        if force or load != self.last_load or (counters != self.last_counters and (
+                idle or now - self.last_load_at >= LOAD_COUNTERS_S)):
+            self.last_load, self.last_counters, self.last_load_at = load, counters, now
             try:
-                self.coordinator.send(encoder.encode(CoreLoad(self.dp_rank, *load, self.core.num_steps)), zmq.NOBLOCK)
+                self.coordinator.send(encoder.encode(CoreLoad(self.dp_rank, *load, *counters)), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no coordinator right now (it restarts alone); the next report goes through
 
-    def close(self) -> None:
+    def close(self, shutdown_workers: bool = True) -> None:
+        """Tell the workers to exit (on a stop), or leave them to the supervisor (on a failure: the
+        core's exit code, not its workers' clean exits, must be what the supervisor sees first)."""
         if self.group is not None:
-            self.group.close(shutdown_workers=True)
-        for sock in (*self.clients, self.control, *([self.coordinator] if self.coordinator else [])):
+            self.group.close(shutdown_workers=shutdown_workers, tell_readers=shutdown_workers)
+        for watch in self.handshakes:
+            watch.close()
+        for sock in (*self.clients, self.control, *([self.coordinator] if self.coordinator else []),
+                     *([self.waves] if self.waves is not None else [])):
             sock.close()
         self.ctx.term()
 
@@ -192,10 +314,15 @@ class EngineCoreProc:
                 self.publish(self.core.abort_requests(msg.req_ids))
             elif isinstance(msg, UtilityCall):
                 sock.send(encoder.encode(self.utility(msg)))
+            elif isinstance(msg, Refused):
+                raise CoreRefused(f"refused by the API server at {sock.getsockopt(zmq.LAST_ENDPOINT).decode()}: "
+                                 f"{msg.reason}")
 
     def utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":
-            return UtilityResult(call.call_id, msgspec.to_builtins(self.core.stats()))
+            return UtilityResult(call.call_id, {
+                **msgspec.to_builtins(self.core.stats()), "num_steps": self.core.num_steps,
+                "num_dummy_steps": self.core.num_dummy_steps, "num_requests": self.core.num_requests})
         if call.method == "ping":
             return UtilityResult(call.call_id, "pong")
         return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
@@ -220,8 +347,15 @@ class EngineCoreProc:
             sock.send(payload)
 
     def say_ready(self) -> None:
+        """Ready, also the heartbeat (every second); a head that keeps refusing our handshake fails us."""
+        for watch in self.handshakes:
+            try:
+                watch.check()
+            except cluster.NoSecret as e:
+                raise CoreRefused(str(e)) from None
         self.say(Ready(dp_rank=self.dp_rank, instance=self.instance, max_model_len=self.core.config.max_model_len,
-                       num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size))
+                       num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size,
+                       fingerprint_hash=self.fingerprint_hash))
 
     # losing and regaining the worker group
 
@@ -261,12 +395,26 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Stop")
     p.add_argument("--ring-prefix", required=True, help="/dev/shm name prefix of the step ring, unique per deployment")
     p.add_argument("--wakeup-address", required=True, help="the ring's wakeup socket")
+    p.add_argument("--ring-remote-address", default=None,
+                   help="a group spanning nodes: where its workers on other nodes read the steps (tcp://)")
     p.add_argument("--coordinator-address", default=None, help="where to push our load (DP > 1)")
+    p.add_argument("--wave-address", default=None, help="where the coordinator publishes step waves (DP > 1)")
+    p.add_argument("--dp-lockstep", action="store_true",
+                   help="step with every other DP rank while any has work (dummy steps when idle)")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-timeout", type=float, default=120.0,
                    help="how long a lost worker group may take to come back before the core fails")
     args, _unknown = p.parse_known_args(argv)  # flags meant for other roles pass through untouched
     return args
+
+
+def fingerprint_of(args) -> dict[str, str]:
+    """What this core must agree on with the API servers it joins (engine/cluster.py)."""
+    return cluster.fingerprint(
+        args.model, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size, api_server_count=len(args.api_server_address), dtype=args.dtype,
+        max_model_len=args.max_model_len, block_size=args.block_size, dp_lockstep=args.dp_lockstep)
 
 
 def _exit(signum, frame):
@@ -284,12 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     configure("engine-core", dp=args.dp_rank)
     signal.signal(signal.SIGTERM, _exit)
     proc = EngineCoreProc(args)
+    failed = True
     try:
         proc.run()
+        failed = False
         return 0
     except (CoreFailed, WorkerGroupFailed) as e:
         log.error("engine core failed", error=str(e))
-        proc.say(Failed(dp_rank=args.dp_rank, error=str(e)))
+        if not isinstance(e, CoreRefused):
+            proc.say(Failed(dp_rank=args.dp_rank, error=str(e)))
         return 1
+    except SystemExit:
+        failed = False
+        raise
     finally:
-        proc.close()
+        proc.close(shutdown_workers=not failed)

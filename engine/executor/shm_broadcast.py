@@ -142,14 +142,16 @@ class ShmBroadcastWriter(RingEnd):
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
-        """Tell readers the ring is closed, unmap it and remove its name; also runs at exit."""
+    def close(self, tell_readers: bool = True) -> None:
+        """Tell readers the ring is closed (unless `tell_readers` is False: they find the writer dead
+        once it has exited), unmap it and remove its name; also runs at exit."""
         if self._mm is None:
             return
         atexit.unregister(self.close)
         if os.getpid() == self._owner_pid:
-            self._words[CLOSED_WORD] = 1
-            self._wake_sleepers()
+            if tell_readers:
+                self._words[CLOSED_WORD] = 1
+                self._wake_sleepers()
             self.unlink()
         self._release()
 

@@ -16,7 +16,9 @@ import psutil
 import structlog
 import zmq
 
+from engine import cluster
 from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastWriter
+from engine.executor.tcp_broadcast import TcpBroadcastWriter
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, WorkerFailed, WorkerReady,
                                     encoder, from_worker)
@@ -33,10 +35,11 @@ class WorkerGroup:
     """Talks to the TP x PP workers of one engine core."""
 
     def __init__(self, address: str, world_size: int, *, ring_prefix: str, wakeup_address: str,
-                 ctx: zmq.Context | None = None, interrupt: zmq.Socket | None = None,
-                 on_interrupt: Callable[[], None] | None = None):
+                 remote_address: str | None = None, ctx: zmq.Context | None = None,
+                 interrupt: zmq.Socket | None = None, on_interrupt: Callable[[], None] | None = None):
         """`on_interrupt` runs whenever `interrupt` is readable while the group waits;
-        it may raise (WorkerGroupFailed, say) to abandon the wait."""
+        it may raise (WorkerGroupFailed, say) to abandon the wait. `remote_address`: where
+        workers on other nodes (a group spanning nodes) read the steps."""
         self.world_size = world_size
         self.interrupt, self.on_interrupt = interrupt, on_interrupt
         self.ring_prefix, self.wakeup_address = ring_prefix, wakeup_address
@@ -44,10 +47,12 @@ class WorkerGroup:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises, not vanishes
-        self.sock.bind(address)
-        self.address = address
+        cluster.bind(self.sock, address)  # tcp:// (a group spanning nodes): CurveZMQ
+        self.address, self.remote_address = address, remote_address
         self.workers: dict[bytes, WorkerReady] = {}
         self.ring: ShmBroadcastWriter | None = None
+        self.remote: TcpBroadcastWriter | None = None
+        self.monitor: zmq.Socket | None = None  # a group spanning nodes: its workers' connections dropping
 
     def _recv(self, timeout_s: float | None) -> tuple[bytes, object]:
         poller = zmq.Poller()
@@ -64,6 +69,7 @@ class WorkerGroup:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
                 self._check_alive()
+                self.check_connections()
                 continue
             identity, raw = self.sock.recv_multipart()
             try:
@@ -73,17 +79,32 @@ class WorkerGroup:
                 continue
             if isinstance(msg, WorkerFailed):
                 raise WorkerGroupFailed(f"{msg.name}: {msg.error}")
+            known = self.workers.get(identity)
+            if isinstance(msg, WorkerReady) and known is not None and msg.pid != known.pid:
+                raise WorkerGroupFailed(f"{msg.name} was replaced (pid {known.pid}, now {msg.pid}); "
+                                        f"its node restarted it")
             return identity, msg
 
     def _check_alive(self) -> None:
-        """A worker that died without a word (kill -9) is found by its pid, not by waiting forever."""
+        """A worker that died without a word (kill -9) is found by its pid, not by waiting forever.
+        (One on another node: by its group's collectives failing on this node, or its node
+        restarting it, whose new READY says so.)"""
         for ready in self.workers.values():
+            if ready.node_rank:
+                continue
             try:
                 dead = psutil.Process(ready.pid).status() == psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 dead = True
             if dead:
                 raise WorkerGroupFailed(f"{ready.name} (pid {ready.pid}) died")
+
+    def check_connections(self) -> None:
+        """A group spanning nodes: a worker whose connection dropped (its process or node is gone)
+        fails the group at once, even while no step runs. Cheap; poll `monitor` or call it now and then."""
+        if self.monitor is not None and self.monitor.poll(0):
+            self.monitor.recv_multipart()
+            raise WorkerGroupFailed("a worker's connection dropped (its process or its node is gone)")
 
     def wait_for_ready(self, timeout_s: float = 300.0) -> list[WorkerReady]:
         """Block until all ranks said READY; raises WorkerGroupFailed on a failure or timeout."""
@@ -103,9 +124,13 @@ class WorkerGroup:
     def initialize_cache(self, num_blocks: int | None = None, timeout_s: float = 120.0) -> int:
         """Have every worker allocate the same number of blocks and attach to a new ring; returns the blocks."""
         num_blocks = num_blocks or self.num_blocks
-        self.ring = ShmBroadcastWriter.create(self.ring_prefix, self.world_size, self.wakeup_address)
+        num_remote = sum(w.node_rank != 0 for w in self.workers.values())
+        self.ring = ShmBroadcastWriter.create(self.ring_prefix, self.world_size - num_remote, self.wakeup_address)
+        if num_remote:
+            self.remote = TcpBroadcastWriter(self.remote_address, num_remote, self.ctx)
         payload = encoder.encode(InitializeCache(num_blocks=num_blocks, ring_name=self.ring.name,
-                                                 wakeup_address=self.wakeup_address))
+                                                 wakeup_address=self.wakeup_address,
+                                                 remote_address=self.remote_address or ""))
         for identity in self.workers:
             self.sock.send_multipart([identity, payload])
         done = 0
@@ -113,6 +138,12 @@ class WorkerGroup:
             _, msg = self._recv(timeout_s)
             done += isinstance(msg, CacheReady)
         self.ring.wait_for_readers(timeout_s)
+        if self.remote is not None:
+            try:
+                self.remote.wait_for_readers(timeout_s)
+            except TimeoutError as e:
+                raise WorkerGroupFailed(str(e)) from e
+            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.ring.unlink()  # every reader holds its mapping: nothing stays in /dev/shm after we all exit
         return num_blocks
 
@@ -127,7 +158,10 @@ class WorkerGroup:
     def submit(self, scheduler_output: SchedulerOutput, timeout_s: float | None = None) -> None:
         """Write a step into the ring; with PP > 1 the next one may follow before this one's answer."""
         try:
-            self.ring.enqueue(encoder.encode(scheduler_output), timeout=timeout_s)
+            data = encoder.encode(scheduler_output)
+            self.ring.enqueue(data, timeout=timeout_s)
+            if self.remote is not None:
+                self.remote.enqueue(data)
         except (PeerDied, RingClosed, TimeoutError) as e:
             raise WorkerGroupFailed(f"the worker group stopped reading: {e}") from e
 
@@ -138,14 +172,23 @@ class WorkerGroup:
             if isinstance(msg, ModelRunnerOutput) and msg.step_id == step_id:
                 return msg
 
-    def close(self, shutdown_workers: bool = True) -> None:
-        """Ask the workers to exit (when they can still hear it), then close the ring and the socket."""
+    def close(self, shutdown_workers: bool = True, tell_readers: bool = True) -> None:
+        """Ask the workers to exit (when they can still hear it), then close the ring and the socket.
+        Without `tell_readers` the workers find out only once this process has exited: a failing
+        core's exit, not its workers', must be what the supervisor sees first."""
         if self.ring is not None:
             if shutdown_workers:
                 try:
+                    if self.remote is not None:
+                        self.remote.enqueue(encoder.encode(Shutdown()))
                     self.ring.enqueue(encoder.encode(Shutdown()), timeout=1.0)
                 except (PeerDied, RingClosed, TimeoutError):
                     pass  # a worker that is already gone needs no telling
-            self.ring.close()
+            self.ring.close(tell_readers=tell_readers)
             self.ring = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
         self.sock.close()

@@ -29,15 +29,18 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     kv_bytes_per_block: int
     rss_bytes: int
     load_seconds: float
+    node_rank: int = 0         # its node in a group that spans nodes (--nnodes); the core's is 0
 
 
 class InitializeCache(msgspec.Struct, tag="init_cache"):
     """Allocate this many KV blocks (the smallest any worker of the group can hold),
-    then read every step from the shared-memory ring `ring_name`."""
+    then read every step from the shared-memory ring `ring_name` (on another node than the
+    core's: from `remote_address`)."""
 
     num_blocks: int
     ring_name: str
     wakeup_address: str
+    remote_address: str = ""   # workers on other nodes read the steps here instead (tcp_broadcast.py)
 
 
 class CacheReady(msgspec.Struct, tag="cache_ready"):

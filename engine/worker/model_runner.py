@@ -46,11 +46,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.dummy_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # one scratch block: dummy steps
 
     def allocate_cache(self, num_blocks: int) -> int:
-        """One key and one value cache per layer of this stage; returns their bytes."""
+        """One key and one value cache per layer of this stage; returns their bytes.
+        (Dummy steps write into a scratch block of their own, outside this count.)"""
         self.kv_caches = allocate_kv_caches(self.model.config, self.groups, num_blocks, self.block_size,
                                             self.model.dtype)
+        self.dummy_kv_caches = allocate_kv_caches(self.model.config, self.groups, 1, self.block_size,
+                                                  self.model.dtype)
         self.requests.clear()
         return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
 
@@ -80,6 +84,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Only the sampling rank returns the sampled tokens."""
         self.update_states(out)
+        if out.dummy:
+            self._dummy_forward()
+            return ModelRunnerOutput(step_id=out.step_id) if self.groups.is_driver else None
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=out.step_id) if self.groups.is_driver else None
         req_ids = list(out.num_scheduled_tokens)
@@ -118,6 +125,20 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(step_id=out.step_id)
         return self._sample(out.step_id, [req_ids[i] for i in sampling], [states[i] for i in sampling], logits)
+
+    def _dummy_forward(self) -> None:
+        """One token (id 0, position 0) through this stage, as a real step goes: from the previous
+        stage, to the next, through every TP collective, its K/V written into the scratch block,
+        never into a request's. No logits, no sampling (vLLM's dummy run samples nothing either)."""
+        metadata = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device)
+        input_ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(1, dtype=torch.long, device=self.device)
+        intermediate = None
+        if not self.groups.is_first_stage:
+            intermediate = self.groups.recv_intermediate(1, self.model.config.hidden_size, self.model.dtype)
+        hidden = self.model(input_ids, positions, self.dummy_kv_caches, metadata, intermediate)
+        if not self.groups.is_last_stage:
+            self.groups.send_intermediate(hidden)
 
     def _sample(self, step_id: int, req_ids: list[str], states: list[RequestState],
                 logits: torch.Tensor) -> ModelRunnerOutput:

@@ -20,12 +20,16 @@ import msgspec
 import torch
 import zmq
 
+from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
+from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
+from engine.executor.tcp_broadcast import TcpBroadcastReader
 from engine.log import configure
 from engine.process import become
-from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
-from engine.worker.messages import CacheReady, Shutdown, WorkerFailed, encoder, from_ring, to_worker
+from engine.worker.messages import CacheReady, Shutdown, WorkerFailed, WorkerReady, encoder, from_ring, to_worker
 from engine.worker.worker import Worker, WorkerConfig
+
+READY_AGAIN_S = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=2**30, help="KV cache budget of this worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--core-address", required=True, help="the engine core's worker socket (ipc:// or tcp://)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this worker's node when its group spans nodes; not 0: steps come over tcp")
     p.add_argument("--dist-init-method", default=None, help="torch.distributed rendezvous, unique per deployment")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: cores / workers)")
     p.add_argument("--seed", type=int, default=0, help="random seed of requests that bring none")
@@ -52,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     default_name = f"worker dp{args.dp_rank} pp{args.pp_rank} tp{args.tp_rank}"
     name = become(default_name)
     log = configure("worker", dp=args.dp_rank, pp=args.pp_rank, tp=args.tp_rank)
+    cores = os.environ.get("VSUP_CPU_AFFINITY")  # the supervisor's share of the cores for this worker
+    if cores and args.device == "cpu":
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     threads = args.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world)
     config = WorkerConfig(
@@ -64,20 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, name.encode())
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(args.core_address)
+    cluster.connect(sock, args.core_address)
     worker = Worker(config)
     torch.manual_seed(args.seed)
     signal.signal(signal.SIGTERM, _exit)  # stop cleanly: leave the ring, the socket and the process group
     try:
-        log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None)
+        log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None,
+                 cores=sorted(os.sched_getaffinity(0)) if args.device == "cpu" else None)
         worker.init_device()
         worker.load_model()
-        ready = worker.ready_report()
+        ready = msgspec.structs.replace(worker.ready_report(), node_rank=args.node_rank)
         sock.send(encoder.encode(ready))
         log.info("ready", num_blocks=ready.num_blocks, weight_bytes=ready.weight_bytes,
                  kv_bytes_per_block=ready.kv_bytes_per_block, rss_bytes=ready.rss_bytes)
-        serve(worker, sock, log)
-        return 0
+        return 0 if serve(worker, sock, log, ready, args.node_rank) else 1  # its core vanished: a failure
     except Exception as e:
         log.exception("worker failed")
         sock.send(encoder.encode(WorkerFailed(name=name, error=f"{type(e).__name__}: {e}")))
@@ -92,28 +101,36 @@ def _exit(signum, frame):
     raise SystemExit(0)
 
 
-def serve(worker: Worker, sock: zmq.Socket, log) -> None:
+def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: int = 0) -> bool:
     """Allocate the cache when the core says how big, then run the steps it writes into
-    the ring until Shutdown. A malformed message is logged and dropped."""
+    the ring until Shutdown (True) or until the core is gone (False). A malformed message
+    is logged and dropped. READY goes again every few seconds until the core answers: a
+    core that (re)started meanwhile may have missed it."""
     msg = None
     while msg is None:
+        if not sock.poll(READY_AGAIN_S * 1000):
+            sock.send(encoder.encode(ready))
+            continue
         msg = _decode(to_worker, sock.recv(), log)
     nbytes = worker.initialize_cache(msg.num_blocks)
-    ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
+    if node_rank and msg.remote_address:  # the core's node is another one: no shared memory with it
+        ring = TcpBroadcastReader(msg.remote_address, sock.context)
+    else:
+        ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
     sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes)))
     try:
         while True:
             try:
                 raw = ring.dequeue()
-            except (PeerDied, RingClosed):
-                log.warning("engine core is gone; exiting")
-                return
+            except (PeerDied, RingClosed) as e:
+                log.warning("engine core is gone or gave up this group; exiting", reason=str(e))
+                return False
             step = _decode(from_ring, raw, log)
             if step is None:
                 continue
             if isinstance(step, Shutdown):
                 log.info("shutting down")
-                return
+                return True
             result = worker.execute(step)
             if result is not None:
                 sock.send(encoder.encode(result))

@@ -6,98 +6,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
-import openai
 import psutil
 import pytest
 
-from engine.api_server.local_deployment import free_port, with_test_tokenizer
-
-VSUP = [sys.executable, "-m", "vsup"]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model, tmp_path_factory):
-    return str(with_test_tokenizer(tiny_model("llama_tied"), tmp_path_factory.mktemp("tiny-with-tokenizer")))
-
-
-class Served:
-    """One `vsup serve` subprocess in its own VSUP_HOME.
-
-    Its stdout is read only at the end, on purpose: a console nobody reads
-    (a full pipe) must not stall the supervisor, and the chaos test fills it."""
-
-    def __init__(self, home, model, *flags, name="e2e"):
-        self.home, self.name, self.port = str(home), name, free_port()
-        self.env = {**os.environ, "VSUP_HOME": self.home}
-        self.proc = subprocess.Popen([*VSUP, "serve", model, "--name", name, "--port", str(self.port),
-                                      "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
-                                      "--log-format", "json", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
-                                    timeout=120)
-
-    def vsup(self, *args):
-        return subprocess.run([*VSUP, *args, "--name", self.name], capture_output=True, text=True, timeout=60,
-                              env=self.env)
-
-    def ps(self):
-        result = self.vsup("ps", "--json")
-        return json.loads(result.stdout) if result.returncode == 0 else None
-
-    def wait_serving(self, timeout=180):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            state = self.ps()
-            if state and state["supervisor"]["state"] == "serving" and all(
-                    p["state"] == "ready" for p in state["processes"]):
-                return state
-            time.sleep(0.2)
-        raise TimeoutError(f"not serving: {self.ps()}")
-
-    def pids(self):
-        return {p["name"]: p["pid"] for p in self.ps()["processes"]}
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        out, err = self.proc.communicate(timeout=120)
-        return self.proc.returncode, out, err
-
-
-@pytest.fixture
-def serve(tmp_path, model):
-    started = []
-
-    def start(*flags, **kwargs):
-        s = Served(tmp_path, model, *flags, **kwargs)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.communicate()
-
-
-def complete(client, prompt, n=24, stream=True):
-    kwargs = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
-    if not stream:
-        return client.completions.create(**kwargs).choices[0].text
-    return "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs)
-                   if chunk.choices)
-
+from tests.e2e.served import VSUP, complete
 
 @pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
                          ids=["tp1", "tp2", "pp2", "dp2", "inproc-tp2"])
 def test_ps_shows_exactly_the_plan(serve, model, flags):
-    s = serve(*flags, "--served-model-name", "tiny")
+    s = serve(*flags)
     state = s.wait_serving()
     plan = json.loads(subprocess.run([*VSUP, "plan", model, "--device", "cpu", "--json", *flags],
                                      capture_output=True, text=True).stdout)
@@ -110,7 +31,7 @@ def test_ps_shows_exactly_the_plan(serve, model, flags):
 
 
 def test_chaos_every_request_finishes_with_the_same_tokens(serve):
-    s = serve("-dp", "2", "--served-model-name", "tiny")
+    s = serve("-dp", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(64)]
 
@@ -147,7 +68,7 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
 
 
 def test_sigterm_lets_running_requests_finish(serve):
-    s = serve("--served-model-name", "tiny")
+    s = serve()
     s.wait_serving()
     pids = list(s.pids().values())
     result = {}
@@ -169,7 +90,7 @@ def test_sigterm_lets_running_requests_finish(serve):
 
 
 def test_killed_supervisor_leaves_nothing_behind(serve):
-    s = serve("-tp", "2", "--served-model-name", "tiny")
+    s = serve("-tp", "2")
     s.wait_serving()
     pids = list(s.pids().values())
     s.proc.kill()

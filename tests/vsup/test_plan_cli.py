@@ -31,7 +31,8 @@ def smollm2_dir(tmp_path):
     (["-tp", "2", "-pp", "2"], 6),
     (["-tp", "2", "-dp", "4"], 17),
     (["-dp", "2", "--api-server-count", "1"], 6),
-    (["--headless", "-dp", "4", "--dp-size-local", "2", "--dp-start-rank", "2", "-tp", "2"], 6),
+    (["--headless", "-dp", "4", "--dp-size-local", "2", "--dp-start-rank", "2", "-tp", "2",
+      "--dp-address", "10.0.0.1:29550"], 6),
     (["--no-multiprocessing"], 1),
 ])
 def test_plan_json_counts(flags, total):
@@ -72,6 +73,8 @@ def test_environment_sets_an_option_and_a_flag_wins():
     (["--no-multiprocessing", "-dp", "2"], "--no-multiprocessing"),
     (["--no-multiprocessing", "--api-server-count", "2"], "--api-server-count 1"),
     (["--headless", "-dp", "2"], "--headless needs --dp-start-rank"),
+    (["-dp", "2", "--dp-size-local", "1"], "give --dp-address HOST:PORT"),
+    (["-dp", "2", "--dp-address", "10.0.0.1"], "--dp-address: expected HOST:PORT"),
     (["/nonexistent/model"], "not a directory"),
     (["--bogus"], "--bogus"),
 ])

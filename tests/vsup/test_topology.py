@@ -24,7 +24,7 @@ def test_names_and_titles_are_spelled_one_way():
      "4 api-servers + 4 engine-cores + 8 workers + 1 coordinator = 17 processes"),
     ({"data_parallel_size": 2, "api_server_count": 1}, 6, None),
     ({"headless": True, "data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_start_rank": 2,
-      "tensor_parallel_size": 2}, 6, "2 engine-cores + 4 workers = 6 processes"),
+      "tensor_parallel_size": 2, "dp_address": "10.0.0.1:29550"}, 6, "2 engine-cores + 4 workers = 6 processes"),
     ({"multiprocessing": False}, 1, "1 api-server = 1 process"),
     ({"multiprocessing": False, "tensor_parallel_size": 2}, 3, "1 api-server + 2 workers = 3 processes"),
 ])
@@ -36,7 +36,7 @@ def test_counts_of_documented_shapes(kwargs, total, formula):
 
 
 def test_headless_node_runs_only_its_ranks_on_its_devices():
-    p = plan(ParallelConfig(headless=True, data_parallel_size=4, data_parallel_size_local=2,
+    p = plan(ParallelConfig(headless=True, data_parallel_size=4, data_parallel_size_local=2, dp_address="head:29550",
                             data_parallel_start_rank=2, tensor_parallel_size=2, device="cuda"))
     assert {s.role for s in p.processes} == {ENGINE_CORE, WORKER}
     assert sorted({s.dp for s in p.processes}) == [2, 3]
@@ -67,6 +67,12 @@ def test_worker_spec_carries_what_serve_needs_to_launch_it():
     ({"headless": True, "data_parallel_size": 2, "data_parallel_start_rank": 1, "data_parallel_size_local": 2},
      "--dp-start-rank"),
     ({"data_parallel_start_rank": 1, "data_parallel_size": 2}, "--headless"),
+    ({"headless": True, "data_parallel_size": 2, "data_parallel_start_rank": 1}, "--dp-address"),
+    ({"data_parallel_size": 4, "data_parallel_size_local": 2}, "--dp-address"),
+    ({"data_parallel_size": 2, "dp_address": "nohost"}, "--dp-address"),
+    ({"data_parallel_size": 2, "dp_address": "h:65534"}, "--dp-address"),
+    ({"dp_address": "h:29550"}, "--dp-address"),
+    ({"data_parallel_size": 2, "api_server_count": 0}, "--api-server-count"),
 ])
 def test_mistakes_name_the_flag(kwargs, flag):
     with pytest.raises(UsageError, match=flag.replace("-", r"\-")):
@@ -100,7 +106,7 @@ def test_names_unique_ranks_contiguous_devices_not_shared(kwargs, headless, data
     dp = kwargs["data_parallel_size"]
     if headless and dp > 1:
         local = data.draw(st.integers(1, dp - 1))
-        kwargs = dict(kwargs, headless=True, api_server_count=None, data_parallel_size_local=local,
+        kwargs = dict(kwargs, headless=True, dp_address="head:29550", data_parallel_size_local=local,
                       data_parallel_start_rank=data.draw(st.integers(1, dp - local)))
     p = plan(ParallelConfig(**kwargs))
     names = [s.name for s in p.processes]
@@ -118,3 +124,72 @@ def test_names_unique_ranks_contiguous_devices_not_shared(kwargs, headless, data
         for node in p.nodes():
             devices = [s.device for s in p.on_node(node) if s.role == WORKER]
             assert len(set(devices)) == len(devices)
+
+
+def test_nodes_meet_over_tcp_at_the_dp_address_and_locally_over_ipc():
+    head = plan(ParallelConfig(data_parallel_size=2, data_parallel_size_local=1, api_server_count=2,
+                               dp_address="10.0.0.1:29550"), run_dir="/run/x", deployment="x")
+    node = plan(ParallelConfig(data_parallel_size=2, data_parallel_start_rank=1, headless=True, api_server_count=2,
+                               dp_address="10.0.0.1:29550"), run_dir="/run/y", deployment="y")
+    assert [p.name for p in head.processes] == ["api-server a0", "api-server a1", "engine-core dp0",
+                                                 "engine-core dp1", "worker dp0 pp0 tp0", "worker dp1 pp0 tp0",
+                                                 "coordinator"]
+    assert [p.node for p in head.processes] == [0, 0, 0, 1, 0, 1, 0]
+    assert [p.name for p in node.processes] == ["engine-core dp1", "worker dp1 pp0 tp0"]
+
+    def arg(spec, flag):
+        return [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == flag]
+
+    a1 = next(p for p in head.processes if p.name == "api-server a1")
+    core = node.processes[0]
+    assert arg(a1, "--engine-address") == ["tcp://10.0.0.1:29554"]
+    assert arg(core, "--api-server-address") == ["tcp://10.0.0.1:29553", "tcp://10.0.0.1:29554"]
+    assert arg(core, "--coordinator-address") == ["tcp://10.0.0.1:29550"]
+    assert arg(core, "--wave-address") == ["tcp://10.0.0.1:29552"]
+    assert arg(node.processes[1], "--core-address")[0].startswith("ipc:///run/y/")  # its workers stay local
+
+
+def test_a_group_spanning_nodes_splits_its_workers_and_meets_at_the_master_port():
+    head = plan(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, device="cuda",
+                               master_addr="10.0.0.1", master_port=29500), run_dir="/run/x", deployment="x")
+    node = plan(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1,
+                               headless=True, device="cuda", master_addr="10.0.0.1", master_port=29500),
+                run_dir="/run/y", deployment="y")
+    assert [(p.name, p.node, p.device) for p in head.processes if p.role == WORKER] == [
+        ("worker dp0 pp0 tp0", 0, "cuda:0"), ("worker dp0 pp0 tp1", 0, "cuda:1"),
+        ("worker dp0 pp1 tp0", 1, "cuda:0"), ("worker dp0 pp1 tp1", 1, "cuda:1")]
+    assert [p.name for p in node.processes] == ["worker dp0 pp1 tp0", "worker dp0 pp1 tp1"]
+
+    def arg(spec, flag):
+        return spec.argv[spec.argv.index(flag) + 1]
+
+    core = next(p for p in head.processes if p.role == ENGINE_CORE)
+    assert arg(core, "--worker-address") == "tcp://10.0.0.1:29501"
+    assert arg(core, "--ring-remote-address") == "tcp://10.0.0.1:29502"
+    assert arg(node.processes[0], "--core-address") == "tcp://10.0.0.1:29501"
+    assert arg(node.processes[0], "--node-rank") == "1"
+    assert "--node-rank" not in plan(ParallelConfig(tensor_parallel_size=2)).processes[-1].argv
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"nnodes": 0}, "--nnodes"),
+    ({"nnodes": 2, "node_rank": 2, "tensor_parallel_size": 2}, "--node-rank"),
+    ({"nnodes": 2, "tensor_parallel_size": 3}, "--nnodes"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "data_parallel_size": 2}, "--dp-address"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "node_rank": 1}, "--headless"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "headless": True}, "--node-rank"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "master_port": 65534}, "--master-port"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "multiprocessing": False}, "--nnodes"),
+])
+def test_spanning_mistakes_name_the_flag(kwargs, flag):
+    with pytest.raises(UsageError, match=flag.replace("-", r"\-")):
+        ParallelConfig(**kwargs)
+
+
+def test_cpu_workers_get_their_own_cores_when_there_are_enough():
+    from vsup.devices import cpu_shares
+
+    assert cpu_shares([0, 1], 2) == [[0], [1]]
+    assert cpu_shares([3, 2, 1, 0, 7], 2) == [[0, 1], [2, 3]]  # 7 left over
+    assert cpu_shares([0, 1], 3) == [[], [], []]  # fewer cores than workers: no pinning
+    assert cpu_shares([0], 0) == []

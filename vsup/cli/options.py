@@ -51,7 +51,8 @@ DataParallelSize = Annotated[int, _option(
     help="Data-parallel ranks: each is an engine core with its own worker group. DP > 1 adds a coordinator.")]
 ApiServerCount = Annotated[Optional[int], _option(
     "--api-server-count", panel=PARALLEL, show_default=False,
-    help="API server processes sharing the port.  [default: the DP size; 0 with --headless]")]
+    help="API server processes sharing the port; with --headless, how many the head node runs (this node "
+         "runs none).  [default: the DP size]")]
 DpSizeLocal = Annotated[Optional[int], _option(
     "--dp-size-local", panel=PARALLEL, show_default=False,
     help="DP ranks that run on this node.  [default: all of them]")]
@@ -60,7 +61,32 @@ DpStartRank = Annotated[Optional[int], _option(
     help="The first DP rank this node runs (with --headless).")]
 Headless = Annotated[bool, _option(
     "--headless", panel=PARALLEL,
-    help="Run only engine cores and workers; they join the head node's API servers and coordinator.")]
+    help="Run only engine cores and workers; they join the head node's API servers and coordinator "
+         "at --dp-address.")]
+DpAddress = Annotated[Optional[str], _option(
+    "--dp-address", panel=PARALLEL, show_default=False, metavar="HOST:PORT",
+    help="Where the head node's coordinator and API servers listen for other nodes' DP ranks (tcp, ports "
+         "PORT to PORT+3+API servers-1, CurveZMQ with --cluster-secret); the same on every node.")]
+ClusterSecret = Annotated[Optional[str], _option(
+    "--cluster-secret", panel=PARALLEL, show_default=False,
+    help="The shared secret that encrypts and authenticates traffic between nodes (CurveZMQ keys are derived "
+         "from it); needed with --dp-address, the same on every node. Prefer the environment variable.")]
+Nnodes = Annotated[int, _option(
+    "--nnodes", panel=PARALLEL,
+    help="Nodes one TP x PP group spans (with DP = 1; DP ranks cross nodes with --dp-address instead): each "
+         "node runs TP x PP / NNODES of its workers, node 0 also the API servers and the engine core.")]
+NodeRank = Annotated[int, _option(
+    "--node-rank", panel=PARALLEL,
+    help="This node's place among --nnodes; every node but 0 runs --headless (its workers only).")]
+MasterAddr = Annotated[str, _option(
+    "--master-addr", panel=PARALLEL,
+    help="Node 0's address (--nnodes > 1): workers meet for torch.distributed at --master-port and reach "
+         "the engine core at the next two ports (CurveZMQ with --cluster-secret).")]
+MasterPort = Annotated[int, _option("--master-port", panel=PARALLEL, help="See --master-addr.")]
+DpLockstep = Annotated[bool, _option(
+    "--dp-lockstep", panel=PARALLEL,
+    help="Step all DP ranks together while any has work, idle ranks running dummy steps (what "
+         "mixture-of-experts models need); off: each rank steps only for its own requests.")]
 DeviceOpt = Annotated[Device, _option(
     "--device", panel=PARALLEL, case_sensitive=False,
     help="Where workers run: auto picks cuda when a GPU is visible, else cpu.")]

@@ -22,6 +22,11 @@ def plan(
     dp_size_local: o.DpSizeLocal = None,
     dp_start_rank: o.DpStartRank = None,
     headless: o.Headless = False,
+    dp_address: o.DpAddress = None,
+    nnodes: o.Nnodes = 1,
+    node_rank: o.NodeRank = 0,
+    master_addr: o.MasterAddr = "127.0.0.1",
+    master_port: o.MasterPort = 29500,
     device: o.DeviceOpt = o.Device.auto,
     multiprocessing: o.Multiprocessing = True,
     dtype: o.DTypeOpt = o.DType.auto,
@@ -40,7 +45,8 @@ def plan(
     config = parallel_config(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
-        dp_start_rank=dp_start_rank, headless=headless, device=device.value, multiprocessing=multiprocessing)
+        dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
+        master_addr=master_addr, master_port=master_port, device=device.value, multiprocessing=multiprocessing)
     the_plan = make_plan(config)
     shape = memory = None
     if model is not None:

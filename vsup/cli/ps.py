@@ -39,12 +39,14 @@ def ps(name: o.Name = "default", as_json: o.Json = False, watch: o.Watch = False
 
 
 def snapshot(run_dir) -> dict:
-    """The live state from the supervisor, else the last one it wrote, with orphans marked."""
+    """The live state from the supervisor, else the last one it wrote, with orphans marked; other
+    nodes' processes (a head node's view) with their state as the API server sees it."""
     from vsup.supervisor.control import request
 
     try:
         state = request(str(run_dir.control_socket), {"cmd": "ps"})
         state["supervisor"]["live"] = True
+        add_remote(state)
     except (OSError, ValueError):
         state = run_dir.read_state()
         state["supervisor"]["live"] = False
@@ -53,6 +55,36 @@ def snapshot(run_dir) -> dict:
             if p.get("pid") is not None and still_running(p["pid"], p["title"]):
                 p["state"] = "orphaned"  # outlived its supervisor: it may still hold memory
     return state
+
+
+def add_remote(state: dict) -> None:
+    """Other nodes' processes join the list, each `remote: <state>` of its DP rank in the API server's /health."""
+    remote = state.pop("remote", None) or []
+    if not remote:
+        return
+    ranks = health_ranks(state["supervisor"]["url"])
+    for p in remote:
+        rank = ranks.get(str(p["dp"])) if ranks is not None else None
+        state["processes"].append({**p, "pid": None, "restarts": rank["num_restarts"] if rank else 0,
+                                   "state": f"remote: {rank['state'] if rank else 'unknown'}",
+                                   "host": rank.get("node") if rank else None})
+
+
+def health_ranks(url: str) -> dict | None:
+    """The DP ranks of the API server's /health, or None when it does not answer within a second."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1.0) as response:
+            return json.load(response).get("dp_ranks")
+    except OSError as e:
+        body = getattr(e, "read", None)  # a 503 still carries the ranks
+        try:
+            return json.loads(body()).get("dp_ranks") if body else None
+        except (ValueError, OSError):
+            return None
+    except ValueError:
+        return None
 
 
 def still_running(pid: int, title: str) -> bool:
@@ -82,7 +114,7 @@ def render(state: dict) -> str:
         alive = p.get("pid") is not None and sup["live"]
         rows.append((p["name"], str(p.get("pid") or "-"), p["state"],
                      _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
-                     str(p["restarts"]), p.get("last_exit") or "-",
+                     str(p.get("restarts", 0)), p.get("last_exit") or "-",
                      f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
                      format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-"))
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]

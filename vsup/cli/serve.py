@@ -24,6 +24,13 @@ def serve(
     dp_size_local: o.DpSizeLocal = None,
     dp_start_rank: o.DpStartRank = None,
     headless: o.Headless = False,
+    dp_address: o.DpAddress = None,
+    nnodes: o.Nnodes = 1,
+    node_rank: o.NodeRank = 0,
+    master_addr: o.MasterAddr = "127.0.0.1",
+    master_port: o.MasterPort = 29500,
+    cluster_secret: o.ClusterSecret = None,
+    dp_lockstep: o.DpLockstep = False,
     device: o.DeviceOpt = o.Device.auto,
     multiprocessing: o.Multiprocessing = True,
     dtype: o.DTypeOpt = o.DType.auto,
@@ -60,7 +67,13 @@ def serve(
     config = parallel_config(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
-        dp_start_rank=dp_start_rank, headless=headless, device=device.value, multiprocessing=multiprocessing)
+        dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
+        master_addr=master_addr, master_port=master_port, device=device.value,
+        multiprocessing=multiprocessing)
+    if (dp_address or config.master) and not cluster_secret:
+        flag = "--dp-address" if dp_address else "--nnodes"
+        raise UsageError(f"{flag} opens tcp ports to other nodes: give --cluster-secret (better: set "
+                         f"VSUP_CLUSTER_SECRET), the same on every node, so that only they can join")
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be between 1 and 65535 (got {port})")
     if max_num_seqs < 1:
@@ -85,17 +98,20 @@ def serve(
         engine_args += ["--max-model-len", str(max_model_len)]
     if not multiprocessing:
         engine_args.append("--no-multiprocessing")
+    if dp_lockstep:
+        engine_args.append("--dp-lockstep")
     the_plan = make_plan(config, python=sys.executable, engine_args=tuple(engine_args),
                          run_dir=str(run_dir.path), deployment=name)
-    url = f"http://{host}:{port}"
-    code, message = supervise(the_plan, run_dir, model_dir, url, policy, log_format.value, api_key,
-                              drain_timeout, stop_timeout, startup_timeout)
+    url = f"http://{host}:{port}" if not headless else f"the head node at {dp_address or config.master}"
+    secrets = {"VSUP_API_KEY": api_key, "VSUP_CLUSTER_SECRET": cluster_secret}  # the environment, never argv
+    code, message = supervise(the_plan, run_dir, model_dir, url, policy, log_format.value,
+                              {k: v for k, v in secrets.items() if v}, drain_timeout, stop_timeout, startup_timeout)
     if code:
         typer.echo(f"vsup serve: {message}", err=True)
     raise typer.Exit(code)
 
 
-def supervise(the_plan, run_dir, model_dir, url, policy, log_format, api_key, drain_timeout, stop_timeout,
+def supervise(the_plan, run_dir, model_dir, url, policy, log_format, env, drain_timeout, stop_timeout,
               startup_timeout) -> tuple[int, str | None]:
     from vsup.supervisor.log_router import Console, JsonlWriter, LogRouter
     from vsup.supervisor.manager import Options, Supervisor
@@ -106,7 +122,7 @@ def supervise(the_plan, run_dir, model_dir, url, policy, log_format, api_key, dr
     router = LogRouter([writer.write, console.write])
     options = Options(model=os.path.basename(model_dir), url=url, restart_policy=policy,
                       startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
-                      env={"VSUP_API_KEY": api_key} if api_key else {})
+                      env=env)
     supervisor = Supervisor(the_plan, run_dir, options, router)
     router.sinks.append(supervisor.on_record)
     router.start()

@@ -8,7 +8,8 @@ from vsup.topology import ParallelConfig
 
 def parallel_config(*, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
                     api_server_count: int | None, dp_size_local: int | None, dp_start_rank: int | None,
-                    headless: bool, device: str, multiprocessing: bool) -> ParallelConfig:
+                    headless: bool, dp_address: str | None, device: str, multiprocessing: bool, nnodes: int = 1,
+                    node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 29500) -> ParallelConfig:
     """Check the parallel flags and the devices they need on this node."""
     from vsup.devices import check_devices, resolve_device
 
@@ -16,7 +17,8 @@ def parallel_config(*, tensor_parallel_size: int, pipeline_parallel_size: int, d
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count,
         data_parallel_size_local=dp_size_local, data_parallel_start_rank=dp_start_rank,
-        headless=headless, device=resolve_device(device), multiprocessing=multiprocessing)
+        headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, device=resolve_device(device), multiprocessing=multiprocessing)
     check_devices(config.device, config.devices_per_node)
     return config
 

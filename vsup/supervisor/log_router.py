@@ -104,7 +104,7 @@ class LogRouter(threading.Thread):
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
         self.stopping = False
         self.open_pipes = 0
-        self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines
+        self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
 
     def emit(self, record: dict) -> None:
         with self.lock:
@@ -157,6 +157,11 @@ class LogRouter(threading.Thread):
     def _line(self, line: str, stream: str, tag: dict) -> None:
         if not line.strip():
             return
+        record = tag_line(line, stream, tag)
         if stream == "stderr":
             self.last_stderr.setdefault(tag["name"], deque(maxlen=20)).append(line)
-        self.emit(tag_line(line, stream, tag))
+        elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON
+            said = record.get("error") or record.get("exception")
+            self.last_stderr.setdefault(tag["name"], deque(maxlen=20)).append(
+                f"{record.get('event')}: {said}" if said else str(record.get("event")))
+        self.emit(record)

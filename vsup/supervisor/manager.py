@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vsup import addresses
+from vsup.devices import cpu_shares
 from vsup.rundir import RunDir
 from vsup.supervisor import notify, units
 from vsup.supervisor.child import Child
@@ -48,7 +49,8 @@ class Supervisor:
 
     def __init__(self, plan: Plan, run_dir: RunDir, options: Options, router: LogRouter):
         self.plan, self.run_dir, self.options, self.router = plan, run_dir, options, router
-        specs = list(plan.on_node(plan.nodes()[0]))
+        self.node = plan.nodes()[0]
+        specs = list(plan.on_node(self.node))
         self.children = [Child(spec, units.unit_of(spec)) for spec in specs]
         self.units = {name: Unit(name, [c for c in self.children if c.spec in units.members(name, specs)],
                                  options.restart_policy) for name in units.units(specs)}
@@ -121,18 +123,25 @@ class Supervisor:
     def start(self, children: list[Child]) -> None:
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
-        cpu_workers = sum(c.spec.role == WORKER and c.spec.device == "cpu" for c in self.children) or 1
+        cpu_workers = [c for c in self.children if c.spec.role == WORKER and c.spec.device == "cpu"]
+        shares = dict(zip((c.spec.name for c in cpu_workers), cpu_shares(sorted(os.sched_getaffinity(0)),
+                                                                         len(cpu_workers))))
         for dp in {c.spec.dp for c in children if c.spec.role == WORKER}:
             self.generation[dp] = self.generation.get(dp, 0) + 1
         for child in children:
             spec = child.spec
             child_env = env
             if spec.role == WORKER:
-                child.extra_argv = ["--dist-init-method",
-                                    addresses.dist_init_method(str(self.run_dir.path), spec.dp, self.generation[spec.dp])]
-                if spec.device == "cpu" and "OMP_NUM_THREADS" not in env:
-                    child_env = {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cpu_workers))}
+                child.extra_argv = ["--dist-init-method", addresses.dist_init_method(
+                    str(self.run_dir.path), spec.dp, self.generation[spec.dp], self.plan.config.master)]
+                if spec.device == "cpu":  # each CPU worker on its own share of the cores, one thread each
+                    cores = shares[spec.name]
+                    threads = len(cores) or max(1, (os.cpu_count() or 1) // len(cpu_workers))
+                    child_env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(threads)),
+                                 **({"VSUP_CPU_AFFINITY": ",".join(map(str, cores))} if cores else {})}
             out, err = child.spawn(child_env)
+            if spec.role == ENGINE_CORE:
+                self.notifier.connect(spec.dp)
             tag = {"name": spec.name, "role": spec.role, "a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp,
                    "pid": child.pid}
             self.router.add(out, "stdout", tag)
@@ -156,6 +165,10 @@ class Supervisor:
     # deaths and restarts
 
     def on_exit(self, child: Child) -> None:
+        if child.spec.role == WORKER:  # a worker follows its vanished core out: the core's exit is the cause
+            core = next((c for c in self.children if c.spec.role == ENGINE_CORE and c.spec.dp == child.spec.dp), None)
+            if core is not None and core.pidfd is not None and core.popen.poll() is not None:
+                self.on_exit(core)
         self.selector.unregister(child.pidfd)
         code = child.reap()
         unit = self.units[child.unit]
@@ -171,7 +184,7 @@ class Supervisor:
                  pid=child.pid, exit=child.last_exit)
         for other in unit.children:
             other.signal(signal.SIGKILL)  # a TP/PP group cannot go on without one of its ranks
-        if child.spec.role in (WORKER, ENGINE_CORE):
+        if child.spec.role == WORKER:  # (a dead core restarts with its group: nobody to tell)
             self.notifier.workers_lost(child.spec.dp, f"{child.spec.name} {child.last_exit}")
         if not unit.restart.wants_restart(code, unit.requested):
             self.fail_unit(unit, child, f"{child.last_exit}; --restart-policy {unit.restart.policy.policy}")
@@ -276,7 +289,8 @@ class Supervisor:
                                "url": self.options.url, "state": self.state, "started_at": self.started_at,
                                "message": self.message, "formula": self.plan.formula},
                 "units": {u.name: {"state": u.state, "restarts": u.restart.total} for u in self.units.values()},
-                "processes": [c.to_json() for c in self.children]}
+                "processes": [c.to_json() for c in self.children],
+                "remote": [p.to_json() for p in self.plan.processes if p.node != self.node]}
 
     def save(self) -> None:
         self.run_dir.write_state(self.snapshot())

@@ -37,8 +37,8 @@ class CoreNotifier:
         self.ctx = None
         self.socks = {}
 
-    def workers_lost(self, dp: int, reason: str) -> None:
-        import msgspec
+    def connect(self, dp: int) -> None:
+        """Reach core `dp` from now on (call when it starts: a message goes only where a connection is)."""
         import zmq
 
         if self.ctx is None:
@@ -47,12 +47,20 @@ class CoreNotifier:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 16)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queued for a core that is gone: its replacement must
+            # not take a stale "workers lost" for news and drop its healthy group
             sock.connect(addresses.core_control_socket(str(self.run_dir.path), dp))
             self.socks[dp] = sock
+
+    def workers_lost(self, dp: int, reason: str) -> None:
+        import msgspec
+        import zmq
+
+        self.connect(dp)
         try:
             self.socks[dp].send(msgspec.msgpack.encode({"type": "workers_lost", "reason": reason}), zmq.NOBLOCK)
         except zmq.Again:
-            pass  # the core is gone too; its own restart takes care of it
+            pass  # the core is not there (gone, or not started yet); it finds out by itself
 
     def close(self) -> None:
         for sock in self.socks.values():

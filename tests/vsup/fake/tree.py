@@ -23,7 +23,7 @@ if __name__ == "__main__":
     run_dir.create()
     run_dir.lock()
     code, message = supervise(fake_plan(tp, dp), run_dir, "/models/fake", "http://127.0.0.1:1",
-                              RestartPolicy("on-failure", max_restarts=max_restarts), "text", None,
+                              RestartPolicy("on-failure", max_restarts=max_restarts), "text", {},
                               drain_timeout=5, stop_timeout=5, startup_timeout=60)
     if code:
         print(f"vsup serve: {message}", file=sys.stderr)

@@ -1,0 +1,28 @@
+"""Fixtures of the e2e tests: the tiny model with a tokenizer, and `vsup serve` subprocesses."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api_server.local_deployment import with_test_tokenizer
+from tests.e2e.served import Served
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    return str(with_test_tokenizer(tiny_model("llama_tied"), tmp_path_factory.mktemp("tiny-with-tokenizer")))
+
+
+@pytest.fixture
+def serve(tmp_path, model):
+    """serve(*flags, name=...) starts `vsup serve` of the tiny model; killed at the end if still running."""
+    started = []
+
+    def start(*flags, **kwargs):
+        s = Served(tmp_path, kwargs.pop("model_dir", model), *flags, **kwargs)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()

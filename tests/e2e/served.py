@@ -1,0 +1,115 @@
+"""`vsup serve` as the e2e tests run it: a subprocess in its own VSUP_HOME, asked with `vsup ps`,
+talked to with the official openai client; and the requests they send."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+
+from engine.api_server.local_deployment import free_port
+
+VSUP = [sys.executable, "-m", "vsup"]
+
+
+class Served:
+    """One `vsup serve` subprocess serving the model as "tiny".
+
+    Its stdout is read only at the end, on purpose: a console nobody reads
+    (a full pipe) must not stall the supervisor, and the chaos test fills it."""
+
+    def __init__(self, home, model, *flags, name="e2e"):
+        self.home, self.name, self.port = str(home), name, free_port()
+        self.env = {**os.environ, "VSUP_HOME": self.home}
+        self.proc = subprocess.Popen([*VSUP, "serve", model, "--name", name, "--port", str(self.port),
+                                      "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+                                      "--served-model-name", "tiny", "--log-format", "json", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
+                                    timeout=120)
+
+    def vsup(self, *args):
+        return subprocess.run([*VSUP, *args, "--name", self.name], capture_output=True, text=True, timeout=60,
+                              env=self.env)
+
+    def ps(self):
+        result = self.vsup("ps", "--json")
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def wait_serving(self, timeout=180):
+        """ps once every process of this node is ready (a head node also lists other nodes' as remote)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            state = self.ps()
+            if state and state["supervisor"]["state"] == "serving" and all(
+                    p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote")):
+                return state
+            time.sleep(0.2)
+        raise TimeoutError(f"not serving: {self.ps()}")
+
+    def pids(self):
+        return {p["name"]: p["pid"] for p in self.ps()["processes"]}
+
+    def counters(self) -> dict[int, tuple[int, int, int]]:
+        """Each DP rank's (steps, dummy steps, requests) as /metrics shows them (DP > 1)."""
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=30).text
+        found: dict[int, dict[str, int]] = {}
+        for name, rank, value in re.findall(
+                r'^vsup_engine_(steps|dummy_steps|requests)_total\{dp_rank="(\d+)"\} (\S+)$', text, re.M):
+            found.setdefault(int(rank), {})[name] = int(float(value))
+        return {r: (c.get("steps", 0), c.get("dummy_steps", 0), c.get("requests", 0)) for r, c in found.items()}
+
+    def settled_counters(self, timeout=10.0) -> dict[int, tuple[int, int, int]]:
+        """The counters once they stopped moving (cores report at once when idle, the coordinator
+        publishes within 100 ms)."""
+        last, deadline = None, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now = self.counters()
+            if now and now == last:
+                return now
+            last = now
+            time.sleep(0.4)
+        return last
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, err = self.proc.communicate(timeout=120)
+        return self.proc.returncode, out, err
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def complete(client, prompt, n=24, stream=True):
+    """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment."""
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        return client.completions.create(**kwargs).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs)
+                   if chunk.choices)
+
+
+def complete_all(client, prompts, n=24, during=None):
+    """Every prompt at once (a thread each); `during()` runs while they do (say, a kill -9)."""
+    out = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, complete(client, prompts[i], n=n)))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    if during:
+        during()
+    for t in threads:
+        t.join(timeout=300)
+    return out

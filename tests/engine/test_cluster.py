@@ -1,0 +1,131 @@
+"""Traffic between nodes: only peers with the cluster secret get a message through; every refusal is logged."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import structlog
+import zmq
+from zmq.utils import z85
+
+from engine import cluster
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    """A ROUTER bound on loopback tcp:// as the head binds it, behind a Guard; yields (ctx, address, guard)."""
+    monkeypatch.setenv(cluster.SECRET_ENV, "the-secret")
+    ctx = zmq.Context()
+    guard = cluster.Guard(ctx).start()
+    server = ctx.socket(zmq.ROUTER)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    cluster.bind(server, address)
+    guard.watch(server, address)
+    clients = []
+
+    def client(secret: str | None = "the-secret", keys: tuple[bytes, bytes] | None = None) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        clients.append(sock)
+        if keys is not None:  # someone who learned the server's public key, with a key pair of their own
+            sock.curve_serverkey = cluster.derive_keys("the-secret").server_public
+            sock.curve_publickey, sock.curve_secretkey = keys
+            sock.connect(address)
+        elif secret is None:
+            sock.connect(address)
+        else:
+            monkeypatch.setenv(cluster.SECRET_ENV, secret)
+            cluster.connect(sock, address)
+            monkeypatch.setenv(cluster.SECRET_ENV, "the-secret")
+        return sock
+
+    with structlog.testing.capture_logs() as logs:
+        yield server, client, guard, logs
+    for sock in (*clients, server):
+        sock.close(linger=0)
+    guard.stop()
+    ctx.term()
+
+
+def received(server: zmq.Socket, timeout_ms: int = 1500) -> list[bytes]:
+    out = []
+    while server.poll(timeout_ms):
+        out.append(server.recv_multipart()[-1])
+        timeout_ms = 100
+    return out
+
+
+def test_only_the_secret_gets_through_and_strangers_are_logged(guarded):
+    server, client, guard, logs = guarded
+    client("another-secret").send(b"order from a stranger")
+    client(None).send(b"plain msgpack")
+    client(keys=zmq.curve_keypair()).send(b"knows the server key only")
+    client().send(b"from the cluster")
+    assert received(server) == [b"from the cluster"]
+    time.sleep(0.3)
+    reasons = {entry["reason"] for entry in logs if entry["event"] == "refused a peer"}
+    assert reasons == {"it encrypts with another --cluster-secret", "it does not encrypt (no --cluster-secret)",
+                       "its key is not this cluster's"}
+    # a refused peer retries every ~100 ms: its refusals are counted, not each logged
+    assert guard.num_refused > len([e for e in logs if e["event"] == "refused a peer"])
+
+
+def test_a_client_learns_that_the_server_refuses_its_handshake(guarded):
+    server, client, guard, logs = guarded
+    sock = client("another-secret")
+    watch = cluster.HandshakeWatch(sock, "tcp://head")
+    deadline = time.monotonic() + 10
+    with pytest.raises(cluster.NoSecret, match="is --cluster-secret"):
+        while time.monotonic() < deadline:
+            watch.check()
+            time.sleep(0.1)
+    watch.close()
+    good = client()
+    ok = cluster.HandshakeWatch(good, "tcp://head")
+    good.send(b"hi")
+    assert received(server) == [b"hi"]
+    ok.check()  # a success resets the count: no raise
+    ok.close()
+
+
+def test_tcp_without_a_secret_is_refused_before_any_socket_opens(monkeypatch):
+    monkeypatch.delenv(cluster.SECRET_ENV, raising=False)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        with pytest.raises(cluster.NoSecret, match="VSUP_CLUSTER_SECRET"):
+            cluster.connect(sock, "tcp://127.0.0.1:1")
+        cluster.connect(sock, "ipc:///nonexistent/x.sock")  # local sockets need none
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_keys_are_derived_alike_everywhere_and_differ_by_secret():
+    a, b, c = cluster.derive_keys("s"), cluster.derive_keys("s"), cluster.derive_keys("t")
+    assert a == b and a.server_public != c.server_public and a.client_public != a.server_public
+    assert len(z85.decode(a.server_public)) == 32
+
+
+def test_fingerprints_name_what_differs(tmp_path):
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "config.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m2" / "config.json").write_text('{"hidden_size": 128}')
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "config.json").write_text('{"hidden_size": 64}')
+    sizes = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=2, api_server_count=2,
+                 dtype="auto", max_model_len=None, block_size=16, dp_lockstep=False)
+    head = cluster.fingerprint(str(tmp_path / "m1"), **sizes)
+    assert cluster.differences(head, cluster.fingerprint(str(tmp_path / "copy"), **sizes)) == ""  # same model
+    assert cluster.fingerprint_hash(head) == cluster.fingerprint_hash(cluster.fingerprint(str(tmp_path / "copy"),
+                                                                                          **sizes))
+    other = cluster.fingerprint(str(tmp_path / "m2"), **{**sizes, "tensor_parallel_size": 2})
+    why = cluster.differences(head, other)
+    assert why.startswith("model: m1 (config.json ") and "here, m2 (config.json " in why
+    assert "tensor_parallel_size: 1 here, 2 on the peer" in why
+    assert cluster.fingerprint_hash(head) != cluster.fingerprint_hash(other)
