@@ -48,7 +48,8 @@ GPU_PARAGRAPH = (
     "per-token time of a memory-bound decode drops towards half, minus the all-reduce per layer; DP=2 "
     "runs two engine cores on two GPUs and should come close to 2x at 16 streams (each core gets 8), the "
     "coordinator's overhead being the gap. On this CPU machine the workers of every configuration share "
-    "the same cores (vsup gives each cores / workers threads), so the ratios above show what the split "
+    "the same cores (vsup pins each worker to its share of them, cores / workers, with as many threads; "
+    "and the configurations run side by side), so the ratios above show what the split "
     "costs in processes, messages and all-reduces, not what it gains in compute. A GPU run would also "
     "separate the CPU work of the API server, engine core and tokenization from the model's, which on "
     "2 shared cores compete (see the seed's claim).")

@@ -108,6 +108,8 @@ ENVIRONMENT = {
                        "whose lines it parses.",
     "VSUP_LOG_LEVEL": "The lowest level every process logs: debug, info (the default), warning or error. "
                       "The children of `vsup serve` inherit it.",
+    "VSUP_CPU_AFFINITY": "Set by `vsup serve` for each CPU worker: the cores it pins itself to (its own "
+                         "share of the supervisor's, when there are at least as many as CPU workers).",
     "NOTIFY_SOCKET": "Set by systemd for a Type=notify service: `vsup serve` sends READY=1 once every "
                      "process is ready and STOPPING=1 when it begins to stop.",
     "XDG_STATE_HOME": "The base of the run dirs when VSUP_HOME is unset.",
