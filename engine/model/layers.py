@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.distributed import ParallelGroups
 from engine.model.config import RopeScaling
+from engine.ops import cpu_linear
 
 
 def _shape(loaded) -> tuple[int, ...]:
@@ -114,9 +115,10 @@ class ColumnParallelLinear(nn.Module):
         self.shard_sizes = [size // tp for size in output_sizes]
         self.weight = _empty(groups, dtype, sum(self.shard_sizes), input_size)
         self.bias = _empty(groups, dtype, sum(self.shard_sizes)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (engine/ops/cpu_linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.packed, self.bias)
 
     def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
         size = self.shard_sizes[shard_id]
@@ -142,11 +144,12 @@ class RowParallelLinear(nn.Module):
         self.shard_size = input_size // groups.tp_size
         self.weight = _empty(groups, dtype, output_size, self.shard_size)
         self.bias = _empty(groups, dtype, output_size) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (engine/ops/cpu_linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.groups.all_reduce(F.linear(x, self.weight))
+            return cpu_linear.linear(x, self.weight, self.packed, self.bias)
+        y = self.groups.all_reduce(cpu_linear.linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
@@ -172,6 +175,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // groups.tp_size)
         self.vocab_start = groups.tp_rank * self.shard_size
         self.weight = _empty(groups, dtype, self.shard_size, hidden_size)
+        self.packed: torch.Tensor | None = None  # as an LM head: the weight in oneDNN's layout
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.groups.tp_size == 1:
@@ -194,5 +198,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits [N, vocab] on TP rank 0; None on other ranks."""
-        logits = self.groups.gather(F.linear(hidden, self.weight), dim=-1)
+        logits = self.groups.gather(cpu_linear.linear(hidden, self.weight, self.packed), dim=-1)
         return None if logits is None else logits[..., :self.vocab_size]

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.distributed import ParallelGroups
 from engine.model.config import ModelConfig
+from engine.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from engine.model.llama import LlamaForCausalLM
+from engine.ops import cpu_linear
 from engine.progress import Progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,7 +80,22 @@ def load_model(model_dir: str | Path, groups: ParallelGroups | None = None, dtyp
     config = config or ModelConfig.from_pretrained(model_dir, dtype=dtype)
     model = LlamaForCausalLM(config, groups)
     load_weights(model, model_dir, progress)
+    pack_linears(model)
     return model.eval()
+
+
+def pack_linears(model: nn.Module) -> None:
+    """On the CPU in float32, every linear layer and the LM head run from a oneDNN-packed copy of
+    the weight (engine/ops/cpu_linear.py); the dense copy is freed unless something else uses it
+    (a tied head's weight is the embedding's)."""
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+              and not isinstance(m, ParallelLMHead)}
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and (
+                cpu_linear.enabled(module.weight)):
+            module.packed = cpu_linear.pack(module.weight)
+            if id(module.weight) not in shared:
+                module.weight.data = module.weight.data.new_empty(0)
 
 
 class _RecordingSlice:

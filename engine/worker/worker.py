@@ -98,6 +98,9 @@ class Worker:
             if id(p) not in seen:  # a tied head shares the embedding's tensor
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
+        for module in self.runner.model.modules():  # oneDNN-packed copies (engine/ops/cpu_linear.py)
+            packed = getattr(module, "packed", None)
+            total += 0 if packed is None else packed.numel() * packed.element_size()
         return total
 
     @property
