@@ -110,6 +110,8 @@ ENVIRONMENT = {
                       "The children of `vsup serve` inherit it.",
     "VSUP_CPU_AFFINITY": "Set by `vsup serve` for each CPU worker: the cores it pins itself to (its own "
                          "share of the supervisor's, when there are at least as many as CPU workers).",
+    "VSUP_PACKED_LINEAR": "0 makes CPU workers run their linear layers through F.linear instead of "
+                          "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
     "NOTIFY_SOCKET": "Set by systemd for a Type=notify service: `vsup serve` sends READY=1 once every "
                      "process is ready and STOPPING=1 when it begins to stop.",
     "XDG_STATE_HOME": "The base of the run dirs when VSUP_HOME is unset.",
