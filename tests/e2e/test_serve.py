@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.served import VSUP, complete
+from tests.e2e.served import VSUP, complete, complete_all
 
 @pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
                          ids=["tp1", "tp2", "pp2", "dp2", "inproc-tp2"])
@@ -34,20 +34,7 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
     s = serve("-dp", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(64)]
-
-    def run_all(faults=None):
-        out = [None] * len(prompts)
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, complete(s.client, prompts[i], n=48)))
-                   for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        if faults:
-            faults()
-        for t in threads:
-            t.join(timeout=300)
-        return out
-
-    reference = run_all()
+    reference = complete_all(s.client, prompts, n=48)
 
     def faults():
         time.sleep(0.5)
@@ -55,7 +42,7 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
             os.kill(s.pids()[name], signal.SIGKILL)
             time.sleep(1.0)
 
-    assert run_all(faults) == reference
+    assert complete_all(s.client, prompts, n=48, during=faults) == reference
     state = s.wait_serving()
     restarts = {p["name"]: p["restarts"] for p in state["processes"]}
     assert restarts["worker dp0 pp0 tp0"] == 1 and restarts["engine-core dp1"] == 1
