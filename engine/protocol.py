@@ -150,7 +150,6 @@ class LoadStats(msgspec.Struct, tag="load_stats"):
     counters: dict[int, list[int]] = {}
 
 
-coordinator_in = msgspec.msgpack.Decoder(CoreLoad)
 coordinator_out = msgspec.msgpack.Decoder(LoadStats)
 
 

@@ -127,7 +127,7 @@ class EngineStatsCollector(Collector):
             label = [str(dp_rank)]
             up.add_metric(label, 1.0 if ranks.is_up(dp_rank) else 0.0)
             in_flight.add_metric(label, ranks.get(dp_rank).num_in_flight)
-            counters = getattr(ranks.get(dp_rank), "counters", None)
+            counters = ranks.get(dp_rank).counters
             if counters is not None:
                 for family, value in zip((steps, dummy_steps, requests), counters):
                     family.add_metric(label, value)

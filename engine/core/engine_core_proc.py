@@ -62,6 +62,7 @@ class EngineCoreProc:
             sock.setsockopt(zmq.LINGER, 1000)
             cluster.connect(sock, address)
             self.clients.append(sock)
+        self.client_address = dict(zip(self.clients, args.api_server_address))
         self.handshakes = [cluster.HandshakeWatch(sock, address)
                            for sock, address in zip(self.clients, args.api_server_address) if cluster.is_remote(address)]
         self.coordinator = None
@@ -215,16 +216,7 @@ class EngineCoreProc:
         self.reported_work, self.last_wave_report = has_work, time.monotonic()
 
     def drain_waves(self) -> None:
-        while True:
-            try:
-                raw = self.waves.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = from_waves.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", sender="coordinator waves", error=str(e))
-                continue
+        for msg in pending(self.waves, from_waves, "coordinator waves"):
             if msg.epoch != self.wave_epoch:
                 if self.wave_epoch:
                     log.info("a new coordinator runs the waves; following it", epoch=msg.epoch)
@@ -277,16 +269,7 @@ class EngineCoreProc:
 
     def on_control(self) -> None:
         """Handle the supervisor's messages; WorkersLost abandons the step being waited on."""
-        while True:
-            try:
-                raw = self.control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = control.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", sender="control", error=str(e))
-                continue
+        for msg in pending(self.control, control, "control"):
             if isinstance(msg, Stop):
                 log.info("stopping")
                 raise SystemExit(0)
@@ -294,17 +277,7 @@ class EngineCoreProc:
                 raise WorkerGroupFailed(f"the supervisor says: {msg.reason or 'workers lost'}")
 
     def drain_client(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                raw = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = to_core.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", sender=sock.getsockopt(zmq.LAST_ENDPOINT).decode(),
-                            error=str(e))
-                continue
+        for msg in pending(sock, to_core, self.client_address[sock]):
             if isinstance(msg, AddRequest):
                 self.owner[msg.req_id] = sock
                 refused = self.core.add_request(msg)
@@ -315,8 +288,7 @@ class EngineCoreProc:
             elif isinstance(msg, UtilityCall):
                 sock.send(encoder.encode(self.utility(msg)))
             elif isinstance(msg, Refused):
-                raise CoreRefused(f"refused by the API server at {sock.getsockopt(zmq.LAST_ENDPOINT).decode()}: "
-                                 f"{msg.reason}")
+                raise CoreRefused(f"refused by the API server at {self.client_address[sock]}: {msg.reason}")
 
     def utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "get_stats":
@@ -407,6 +379,21 @@ def parse_args(argv: list[str] | None = None):
                    help="how long a lost worker group may take to come back before the core fails")
     args, _unknown = p.parse_known_args(argv)  # flags meant for other roles pass through untouched
     return args
+
+
+def pending(sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, sender: str):
+    """Every message waiting on `sock`, decoded; a malformed one is logged and dropped."""
+    while True:
+        try:
+            raw = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            msg = decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            log.warning("dropped malformed message", sender=sender, error=str(e))
+            continue
+        yield msg
 
 
 def fingerprint_of(args) -> dict[str, str]:
