@@ -120,7 +120,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    metadata: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each new token over its sequence's cached context.
 
     query: [num_tokens, num_heads, head_dim], packed as metadata.query_start_loc says.
@@ -129,6 +130,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     of num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).
     Query row t of sequence i, at position seq_lens[i] - query_len + t, sees
     context positions 0 ..= that position. Returns [num_tokens, num_heads, head_dim].
+
+    key, value: this step's K/V [num_tokens, H_kv, D], packed like query, when the caller has
+    them: a prefill chunk with no cached context before it reads them instead of the cache.
 
     Any mix of prefill chunks and single-token decodes is served in torch;
     CUDA decode-only batches (power-of-two block size) go to engine/ops' Triton kernel.
@@ -155,8 +159,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     for i, n in enumerate(query_lens):
         if n > 1:
             start = starts[i]
-            out[start:start + n] = _prefill_attention(query[start:start + n], key_cache, value_cache,
-                                                      metadata.block_tables[i], lens[i], scale)
+            rows = slice(start, start + n)
+            if key is not None and n == lens[i]:  # a whole prompt: its K/V are this step's
+                keys, values = key[rows], value[rows]
+            else:
+                keys = _gather(key_cache, metadata.block_tables[i], lens[i])
+                values = _gather(value_cache, metadata.block_tables[i], lens[i])
+            out[rows] = _prefill_attention(query[rows], keys, values, scale)
     return out
 
 
@@ -192,17 +201,17 @@ def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max
     return out.squeeze(2)
 
 
-def _prefill_attention(query, key_cache, value_cache, block_table, seq_len, scale):
-    """One sequence's chunk: query [n, H, D] over its first `seq_len` cached tokens."""
-    n = query.shape[0]
-    keys = _gather(key_cache, block_table, seq_len).transpose(0, 1)  # [H_kv, L, D]
-    values = _gather(value_cache, block_table, seq_len).transpose(0, 1)
-    q = query.transpose(0, 1)
+def _prefill_attention(query, keys, values, scale):
+    """One sequence's chunk: query [n, H, D] over its context keys, values [L, H_kv, D], whose
+    last n positions are the chunk's."""
+    n, seq_len = query.shape[0], keys.shape[0]
+    # batched 4-D, SDPA takes its flash kernel (3-D falls back to the math one: 1.5x the time)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, keys, values))
     if n == seq_len:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # a chunk after cached tokens: row t sees positions <= seq_len - n + t
         visible = (torch.arange(seq_len, device=query.device)
                    <= torch.arange(n, device=query.device).unsqueeze(1) + (seq_len - n))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -45,9 +45,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = residual = residual + x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:  # one fused kernel, 1.1-2x the ops below (batch 16-300, 2 cores)
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
     def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
@@ -74,8 +77,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding over a precomputed cos/sin table; one
-    instance is shared by all the layers of a rank."""
+    """Neox-style rotary embedding over a precomputed cos/sin table; the
+    model looks up each step's rows once, for all its layers."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None,
                  groups: ParallelGroups, dtype: torch.dtype):
@@ -85,14 +88,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=groups.device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=groups.device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """Rotate `query` [T, H, D] and `key` [T, H_kv, D] by their token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D / 2] of each token's position, for `rotate`: looked up once a step,
+        not once a layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D] rotated by `RotaryEmbedding(positions)`: the query and key heads of a layer
+    go through in one call (half the small ops of two calls)."""
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -15,7 +15,7 @@ from engine.distributed import IntermediateTensors, ParallelGroups, layer_range
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                                 RowParallelLinear, VocabParallelEmbedding)
+                                 RowParallelLinear, VocabParallelEmbedding, rotate)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -23,7 +23,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads, with a merged q/k/v projection."""
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
         tp = groups.tp_size
         self.num_heads, self.num_kv_heads = config.num_heads // tp, config.num_kv_heads // tp
@@ -34,19 +34,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_full, kv_full, kv_full],
                                              config.attention_bias, groups, dtype)
         self.o_proj = RowParallelLinear(q_full, config.hidden_size, config.o_proj_bias, groups, dtype)
-        self.rotary_emb = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -61,25 +59,25 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP; the residual add is fused into the next norm."""
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, groups, dtype)
-        self.self_attn = LlamaAttention(config, groups, rotary, dtype)
+        self.self_attn = LlamaAttention(config, groups, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, groups, dtype)
         self.mlp = LlamaMLP(config, groups, dtype)
 
-    def forward(self, positions, hidden, residual, kv_cache, metadata):
+    def forward(self, rope, hidden, residual, kv_cache, metadata):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -90,12 +88,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
         self.layer_range = layer_range(config.num_layers, groups.pp_size, groups.pp_rank)
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                 config.rope_scaling, groups, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling, groups, dtype)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups, dtype)
                              if groups.is_first_stage else None)
         # keyed by global index, so parameter names match the checkpoint's
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, groups, rotary, dtype)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, groups, dtype)
                                      for i in self.layer_range})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, groups, dtype) if groups.is_last_stage else None
 
@@ -104,8 +102,9 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
+        rope = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         if self.norm is None:
             return IntermediateTensors(hidden=hidden, residual=residual)
         return self.norm(hidden, residual)[0]

@@ -54,13 +54,14 @@ def test_paged_attention_equals_dense_causal_attention(seqs, block_size, group, 
     metadata = AttentionMetadata.build(num_cached, [n for _, n in seqs], tables, block_size)
     write_kv(new(full_k), new(full_v), key_cache, value_cache, metadata.slot_mapping)
     query = torch.randn(sum(n for _, n in seqs), num_heads, head_dim, generator=gen)
-    out = paged_attention(query, key_cache, value_cache, metadata, scale=head_dim ** -0.5)
-
     starts = metadata.query_start_loc.tolist()
-    for i in range(len(seqs)):
-        q = query[starts[i]:starts[i + 1]]
-        expected = dense_attention(q, full_k[i], full_v[i], head_dim ** -0.5)
-        torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+    # from the cache alone, and with this step's K/V at hand (whole prompts then read those)
+    for step_kv in ({}, {"key": new(full_k), "value": new(full_v)}):
+        out = paged_attention(query, key_cache, value_cache, metadata, head_dim ** -0.5, **step_kv)
+        for i in range(len(seqs)):
+            q = query[starts[i]:starts[i + 1]]
+            expected = dense_attention(q, full_k[i], full_v[i], head_dim ** -0.5)
+            torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_metadata_build_maps_tokens_to_slots():
