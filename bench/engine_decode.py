@@ -9,6 +9,11 @@ the same machine noise. A step is, for ours, `Worker.execute` of one SchedulerOu
 update, attention metadata, forward, greedy sampling, tokens back as a list); for transformers,
 `model(input_ids, attention_mask, past_key_values)` plus the argmax. Goal: ours / HF <= 1.0.
 
+A third side, interleaved with the two, is the floor of a float32 step on this machine: the
+worker's own linear layers (every layer's qkv, o, gate_up and down, then the LM head, from the
+same packed weights) run back to back on B rows, and nothing else. Ours / floor says how much
+of a step is attention, norms, sampling and Python; what is left is the weights' GEMMs.
+
 Load times: the first conversion of the default model (GGUF -> safetensors, into a temporary
 cache dir; the user's cache is untouched), a later start (`default_model_dir` finds it, a Worker
 loads it), and `AutoModelForCausalLM.from_pretrained` of the same directory; the last two are
@@ -227,25 +232,56 @@ class HfDecoders:
         self.cache = None
 
 
+class LinearFloor:
+    """The Worker's linear layers alone, back to back on random rows: a decode step's GEMMs."""
+
+    def __init__(self, parent: OurDecode, n: int):
+        model = parent.worker.runner.model
+        layers = model.model.layers.values()
+        # (module, its input width): the dense weights are freed once packed, so not weight.shape
+        self.linears = [(m, width) for layer in layers for m, width in (
+            (layer.self_attn.qkv_proj, layer.self_attn.qkv_proj.input_size),
+            (layer.self_attn.o_proj, layer.self_attn.o_proj.shard_size),
+            (layer.mlp.gate_up_proj, layer.mlp.gate_up_proj.input_size),
+            (layer.mlp.down_proj, layer.mlp.down_proj.shard_size))]
+        self.lm_head = model.lm_head
+        sizes = {width for _, width in self.linears} | {self.lm_head.hidden_size}
+        self.inputs = {size: torch.randn(n, size) for size in sizes}
+
+    @torch.inference_mode()
+    def step(self) -> float:
+        def forward():
+            for linear, width in self.linears:
+                linear(self.inputs[width])
+            return self.lm_head.logits(self.inputs[self.lm_head.hidden_size])
+
+        return timed(forward)[0]
+
+    def close(self) -> None:
+        self.inputs = {}
+
+
 # the comparison
 
 
 def compare_decode(ours: OurDecode, theirs: HfDecode, batch: int, steps: int, warmup: int) -> dict:
-    mine, hf = ours.fork(batch), theirs.fork(batch)
-    times = {"ours": [], "hf": []}
+    mine, hf, floor = ours.fork(batch), theirs.fork(batch), LinearFloor(ours, batch)
+    sides = [("ours", mine), ("hf", hf), ("floor", floor)]
+    times = {name: [] for name, _ in sides}
     for i in range(warmup + steps):
-        pair = (("ours", mine), ("hf", hf)) if i % 2 == 0 else (("hf", hf), ("ours", mine))
-        for name, side in pair:
+        for name, side in sides[i % 3:] + sides[:i % 3]:  # the order rotates every step
             seconds = side.step()
             if i >= warmup:
                 times[name].append(seconds)
     agree = sum(a == b for a, b in zip(mine.tokens, hf.tokens)) / batch
-    mine.close()
-    hf.close()
+    for _, side in sides:
+        side.close()
     paired = [a / b for a, b in zip(times["ours"], times["hf"])]
     return {"batch": batch, "context": ours.prompt_len, "steps": steps, "ours_s": times["ours"], "hf_s": times["hf"],
-            "ours_ms": median_ms(times["ours"]), "hf_ms": median_ms(times["hf"]),
+            "floor_s": times["floor"], "ours_ms": median_ms(times["ours"]), "hf_ms": median_ms(times["hf"]),
+            "floor_ms": median_ms(times["floor"]),
             "ratio": ratio(median_ms(times["ours"]), median_ms(times["hf"])),
+            "ours_over_floor": ratio(median_ms(times["ours"]), median_ms(times["floor"])),
             "paired_ratio_median": statistics.median(paired), "greedy_rows_agree": agree}
 
 
@@ -300,9 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     results["decode"] = rows
     results["prefill_first_token_agree"] = prefill_agree
     print_table(f"decode step, ms (median of {args.steps} steps, context {args.prompt_len}+, float32, "
-                f"ours and HF alternating)", ["batch", "ours ms", "HF ms", "ours/HF", "paired", "rows agree", "goal"],
+                f"ours, HF and the linear floor in turn)",
+                ["batch", "ours ms", "HF ms", "ours/HF", "paired", "rows agree", "goal", "floor ms", "ours/floor"],
                 [[r["batch"], r["ours_ms"], r["hf_ms"], f"{r['ratio']:.2f}", f"{r['paired_ratio_median']:.2f}",
-                  f"{r['greedy_rows_agree']:.0%}", "<= 1.0"] for r in rows])
+                  f"{r['greedy_rows_agree']:.0%}", "<= 1.0", r["floor_ms"], f"{r['ours_over_floor']:.2f}"]
+                 for r in rows])
     if args.profile:
         results["profile"] = profile_step(ours, theirs, max(args.batches), min(args.steps, 8))
     ours.worker.shutdown()
