@@ -134,14 +134,32 @@ def test_directory_without_config_is_not_a_model(tmp_path):
     assert result.returncode == 2 and "no config.json" in result.stderr
 
 
-def test_plan_imports_no_torch_transformers_or_engine():
+def test_plan_imports_no_torch_transformers_engine_or_other_commands():
+    """`vsup plan` is the command run before every launch: it loads neither the model stack nor the
+    modules of the commands it has nothing to do with."""
     code = ("import sys; sys.argv = ['vsup', 'plan', '--device', 'cpu', '--json']\n"
             "from vsup.cli.main import run\n"
             "try:\n    run()\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'transformers', 'engine') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'transformers', 'engine', 'vsup.cli.ps', 'vsup.cli.logs',\n"
+            "                     'vsup.cli.stop') if m in sys.modules]\n"
             "print('HEAVY', heavy, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in result.stderr, result.stderr
+    assert json.loads(result.stdout)["total"] >= 3
+
+
+def test_every_command_is_found_under_its_own_name():
+    """main.COMMANDS (which modules to import for a command) names exactly the commands each module defines."""
+    import importlib
+
+    from vsup.cli.main import COMMANDS
+    for module in {needed[0] for needed in COMMANDS.values()}:
+        app = importlib.import_module(f"vsup.cli.{module}").app
+        defined = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+        assert defined == {command for command, needed in COMMANDS.items() if needed[0] == module}
+    for command in COMMANDS:
+        assert vsup(command, "--help").returncode == 0
+    assert vsup("stpo").returncode == 2
 
 
 def test_version_and_help():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 
 import typer
 
 from vsup import __version__
-from vsup.cli import logs, plan, ps, serve, stop
 from vsup.errors import UsageError
 from vsup.rundir import NoDeployment
 
@@ -16,20 +17,34 @@ try:  # typer vendors click from 0.20 on
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
-app = typer.Typer(
-    name="vsup",
-    help="Plan, launch, supervise and explain the process tree of an LLM server "
-         "(API servers, engine cores, workers, coordinator).",
-    no_args_is_help=True,
-    add_completion=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # plain help: readable at any width, greppable, no rich import
-)
-app.add_typer(plan.app)
-app.add_typer(serve.app)
-app.add_typer(ps.app)
-app.add_typer(logs.app)
-app.add_typer(stop.app)
+# each command -> the modules of vsup.cli that `vsup COMMAND` imports: the one that defines it first, and
+# for plan and serve both, since one --config file serves the two (config_file.py checks the other's
+# keys). The modules a command does not need cost `vsup plan` 7% of its start (bench/plan_latency.py).
+COMMANDS = {"plan": ("plan", "serve"), "serve": ("serve", "plan"), "ps": ("ps",), "logs": ("logs",),
+            "stop": ("stop",), "restart": ("stop",)}
+
+
+def make_app(modules: list[str] | None = None) -> typer.Typer:
+    """The `vsup` app with the commands of these modules (default: all of them)."""
+    app = typer.Typer(
+        name="vsup",
+        help="Plan, launch, supervise and explain the process tree of an LLM server "
+             "(API servers, engine cores, workers, coordinator).",
+        no_args_is_help=True,
+        add_completion=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,  # plain help: readable at any width, greppable, no rich import
+    )
+    for module in modules or dict.fromkeys(m for needed in COMMANDS.values() for m in needed):
+        app.add_typer(importlib.import_module(f"vsup.cli.{module}").app)
+    app.callback()(main)
+    return app
+
+
+def __getattr__(name: str):
+    if name == "app":  # every command, for man/generate.py, completions and tests
+        return make_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _version(value: bool) -> None:
@@ -38,7 +53,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def main(
     version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
@@ -50,6 +64,9 @@ def run() -> None:
     """Console entry: mistakes become one line on stderr and exit status 2, never a traceback."""
     command = " ".join(["vsup", *[a for a in sys.argv[1:2] if not a.startswith("-")]])
     state: dict = {}  # --config leaves what it read here, so that an error can name the file that set the value
+    # a command named first needs its module alone; help, completion and mistakes need them all
+    needed = COMMANDS.get(sys.argv[1]) if len(sys.argv) > 1 and "_VSUP_COMPLETE" not in os.environ else None
+    app = make_app(list(needed) if needed else None)
     try:
         code = app(prog_name="vsup", standalone_mode=False, obj=state)
     except (UsageError, NoDeployment) as e:
