@@ -23,6 +23,7 @@ import pytest
 
 from engine.api_server.local_deployment import with_test_tokenizer
 from tests.e2e.served import complete, complete_all
+from tests.polling import wait_for
 
 SECRET = "loopback-test-secret"
 
@@ -70,22 +71,12 @@ def health(port):
     return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
 
 
-def wait_for(predicate, timeout=90, what=""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise TimeoutError(what)
-
-
 def test_a_headless_node_serves_leaves_and_rejoins(nodes):
     head = nodes("head")
     node = nodes("headless")
     head.wait_serving()
     node.wait_serving()
-    wait_for(lambda: health(head.port)["up"] == [0, 1], what="dp1 never joined the head")
+    wait_for(lambda: health(head.port)["up"] == [0, 1], 90, "dp1 never joined the head")
 
     ps = {p["name"]: p for p in head.ps()["processes"]}  # the head lists dp1 as remote, with its state
     assert ps["engine-core dp1"]["state"] == "remote: ready" and ps["worker dp1 pp0 tp0"]["node"] == 1

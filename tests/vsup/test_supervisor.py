@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.polling import wait_for
+
 TREE = Path(__file__).parent / "fake" / "tree.py"
 VSUP = [sys.executable, "-m", "vsup"]
 
@@ -38,16 +40,6 @@ def ps(name):
     result = vsup("ps", "--name", name, "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(what)
 
 
 def serving(name):
