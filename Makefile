@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
-	# written (PYTHONDONTWRITEBYTECODE), every `vsup plan` would compile vsup from source (+25% start)
+	# written (PYTHONDONTWRITEBYTECODE), every `vsup plan` would compile vsup from source (+12% start)
 	$(BIN)/python -m compileall -q vsup engine
 
 $(STAMP): pyproject.toml Makefile
