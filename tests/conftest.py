@@ -1,11 +1,16 @@
 """What every test shares: nothing a test starts may outlive it, and tiny random-weight models.
 
+Pytest is a child subreaper, so a process re-parented when its supervisor died is still its
+descendant; every test and every module checks that it left no process and no /dev/shm entry.
+
 The tiny Llama-family checkpoints are written by transformers with weights
 re-drawn large enough (std 0.1, norms around 1, non-zero biases) that logits
 are O(1), so a 1e-4 tolerance catches a wrongly mapped tensor. Each variant
 is built once per session, on first use.
 """
 
+import ctypes
+import os
 import time
 from pathlib import Path
 
@@ -13,22 +18,85 @@ import psutil
 import pytest
 import torch
 
+PR_SET_CHILD_SUBREAPER = 36
+SHM = Path("/dev/shm")
+
+
+def pytest_configure(config):
+    """Make pytest a child subreaper: a process whose parent died (a supervisor killed with -9, say)
+    is re-parented to pytest instead of init, so the orphan check below still sees it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+class Snapshot:
+    """The processes under pytest and the /dev/shm entries at one moment, to compare with later."""
+
+    def __init__(self):
+        self.pids = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.shm = set(os.listdir(SHM))
+
+    def leftovers(self, timeout: float = 5.0) -> tuple[list[psutil.Process], list[str]]:
+        """Processes and /dev/shm entries made since, still there after `timeout` seconds of grace.
+
+        A process is this scope's only if no process of the snapshot that is still alive is its
+        ancestor: a restarted worker of a module-scoped deployment belongs to that deployment."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.pids
+                    and _alive(p) and not self._under_older(p)]
+            shm = sorted(set(os.listdir(SHM)) - self.shm)
+            if (not left and not shm) or time.monotonic() > deadline:
+                return left, shm
+            time.sleep(0.05)
+
+    def _under_older(self, p: psutil.Process) -> bool:
+        me = os.getpid()
+        try:
+            for parent in p.parents():
+                if parent.pid == me:
+                    return False
+                if parent.pid in self.pids and _alive(parent):
+                    return True
+        except psutil.Error:
+            pass
+        return False
+
+
+def check_clean(before: Snapshot, scope: str) -> None:
+    """Fail when `scope` left a process or a /dev/shm entry, naming each; end and remove them first,
+    so that the next test starts clean."""
+    left, shm = before.leftovers()
+    described = [(p.pid, _cmdline(p)) for p in left]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for name in shm:
+        try:
+            (SHM / name).unlink()
+        except OSError:
+            pass
+    assert not left, f"{scope} left processes behind: {described}"
+    assert not shm, f"{scope} left /dev/shm entries behind: {shm}"
+
 
 @pytest.fixture(autouse=True)
 def no_orphans():
-    """Fail a test that leaves child processes behind (and end them, so the next test starts clean)."""
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
+    """Fail a test that leaves processes (re-parented ones included) or /dev/shm entries behind."""
+    before = Snapshot()
     yield
-    deadline = time.monotonic() + 5
-    while True:
-        left = [p for p in me.children(recursive=True) if p.pid not in before and _alive(p)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    for p in left:
-        p.kill()
-    assert not left, f"processes left behind: {[(p.pid, _cmdline(p)) for p in left]}"
+    check_clean(before, "this test")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_orphans_module(request):
+    """The same for what a module's fixtures (a module-scoped deployment) leave when the module ends."""
+    before = Snapshot()
+    yield
+    check_clean(before, f"module {request.module.__name__}")
 
 
 def _alive(p: psutil.Process) -> bool:
