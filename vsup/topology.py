@@ -229,6 +229,7 @@ class Plan:
 
     config: ParallelConfig
     processes: tuple[ProcessSpec, ...]
+    roles: tuple[str, ...] = ROLES  # in formula order; a role beyond ROLES (vLLM's helpers) is counted apart
 
     @property
     def total(self) -> int:
@@ -239,10 +240,13 @@ class Plan:
 
     @property
     def formula(self) -> str:
-        counts = [(self.count(role), role) for role in ROLES]
-        terms = [f"{n} {role}{'' if n == 1 else 's'}" for n, role in counts if n]
-        total = self.total
-        return f"{' + '.join(terms)} = {total} process{'' if total == 1 else 'es'}"
+        def terms(roles) -> list[str]:
+            return [f"{n} {role}{'' if n == 1 else 's'}" for role in roles if (n := self.count(role))]
+
+        main = sum(self.count(role) for role in ROLES)
+        text = f"{' + '.join(terms(ROLES))} = {main} process{'' if main == 1 else 'es'}"
+        helpers = terms(r for r in self.roles if r not in ROLES)
+        return f"{text}, plus {' + '.join(helpers)}: {self.total} in all" if helpers else text
 
     def nodes(self) -> list[int]:
         return sorted({p.node for p in self.processes})

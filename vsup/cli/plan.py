@@ -11,10 +11,12 @@ from vsup.cli import options as o
 app = typer.Typer()
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def plan(
+    ctx: typer.Context,
     model: o.Model = None,
     config: o.Config = None,
+    engine: o.EngineOpt = o.EngineKind.vsup,
     tensor_parallel_size: o.TensorParallelSize = 1,
     pipeline_parallel_size: o.PipelineParallelSize = 1,
     data_parallel_size: o.DataParallelSize = 1,
@@ -38,16 +40,26 @@ def plan(
     """Predict the process tree and its count before launch: the same list `vsup serve` starts.
 
     Count = API servers + DP engine cores + DP x TP x PP workers (+ 1 coordinator when DP > 1).
+    With --engine vllm: the tree a stock `vllm serve` builds, by vLLM's rules (its helpers counted apart).
     """
-    from vsup.cli.sizing import model_memory, parallel_config
+    from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
     from vsup.topology import plan as make_plan
+
+    model, _ = split_engine_args(model, ctx.args, engine.value)
 
     config = parallel_config(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
         dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, device=device.value, multiprocessing=multiprocessing)
-    the_plan = make_plan(config)
+    if engine == o.EngineKind.vllm:
+        from vsup.vllm.args import check_supported
+        from vsup.vllm.plan import vllm_plan
+
+        check_supported(config)
+        the_plan = vllm_plan(config)
+    else:
+        the_plan = make_plan(config)
     shape = memory = None
     if model is not None:
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,

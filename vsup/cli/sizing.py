@@ -49,3 +49,13 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
                          device=config.device, device_bytes=device_bytes, kv_cache_memory=kv_bytes,
                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
     return shape, memory
+
+
+def split_engine_args(model: str | None, extra: list[str], engine: str) -> tuple[str | None, tuple[str, ...]]:
+    """(MODEL, what followed `--`): click gives the first word after `--` to MODEL when MODEL was not
+    given (`vsup serve --engine vllm -- --enforce-eager`), and a flag is never a model directory."""
+    if model is not None and model.startswith("-"):
+        model, extra = None, [model, *extra]
+    if extra and engine != "vllm":
+        raise UsageError(f"unexpected arguments {' '.join(extra)}: only --engine vllm passes what follows -- on")
+    return model, tuple(extra)

@@ -1,0 +1,129 @@
+"""The pure rules of `--engine vllm`: vLLM's tree for the flags, its names, its lines, its flags, its hangs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vsup.errors import UsageError
+from vsup.topology import ParallelConfig
+from vsup.vllm.args import GIB, ServeFlags, cpu_kv_cache_gib, serve_argv, serve_env, unknown_flags
+from vsup.vllm.help import parse_flags
+from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
+from vsup.vllm.plan import vllm_plan
+from vsup.vllm.progress import Progress, parse_metrics
+
+
+def names(**kw):
+    return [(p.name, p.title) for p in vllm_plan(ParallelConfig(**kw)).processes]
+
+
+def test_the_tree_follows_vllms_rules():
+    assert names() == [("api-server a0", "vllm serve"), ("engine-core dp0", "VLLM::EngineCore"),
+                       ("worker dp0 pp0 tp0", "VLLM::Worker"),
+                       ("helper resource-tracker", "multiprocessing.resource_tracker")]
+    # on CUDA at TP x PP = 1 the uni executor runs the model inside the engine core
+    cuda = vllm_plan(ParallelConfig(device="cuda"))
+    assert [p.name for p in cuda.processes] == ["api-server a0", "engine-core dp0", "helper resource-tracker"]
+    assert cuda.processes[1].device == "cuda:0"
+    dp = names(data_parallel_size=2, tensor_parallel_size=2)
+    assert dp[:3] == [("helper vllm-serve", "vllm serve"), ("api-server a0", "VLLM::APIServer_0"),
+                      ("api-server a1", "VLLM::APIServer_1")]
+    assert ("engine-core dp1", "VLLM::EngineCore_DP1") in dp
+    assert ("worker dp1 pp0 tp1", "VLLM::Worker_DP1_TP1") in dp
+    assert ("coordinator", "VLLM::DPCoordinator") in dp
+    plan = vllm_plan(ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
+    assert plan.formula == ("2 api-servers + 2 engine-cores + 4 workers + 1 coordinator = 9 processes, "
+                            "plus 2 helpers: 11 in all")
+    assert names(api_server_count=1, data_parallel_size=2)[0] == ("api-server a0", "vllm serve")
+    assert ("worker dp0 pp1 tp0", "VLLM::Worker_PP1") in names(pipeline_parallel_size=2)
+
+
+def test_vllms_names_are_vsups_names():
+    assert role_of_name("Worker_DP1_PP0_TP1") == Role("worker", dp=1, pp=0, tp=1)
+    assert role_of_name("Worker_TP1") == Role("worker", dp=0, pp=0, tp=1)
+    assert role_of_name("Worker") == Role("worker", settled=False)  # titled before its groups exist
+    assert role_of_name("EngineCore_DP3") == Role("engine-core", dp=3)
+    assert role_of_name("ApiServer_2") == role_of_name("APIServer_2") == Role("api-server", a=2)
+    assert role_of_name("DPCoordinator") == Role("coordinator")
+    assert role_of_title(["VLLM::EngineCore"]) == Role("engine-core", dp=0)
+    assert role_of_title(["python", "-B", "-c", "from multiprocessing.resource_tracker import main;main(3)"]) \
+        == Role("helper")
+    assert role_of_title(["python", "-c", "from multiprocessing.spawn import spawn_main"]) is None
+
+
+def test_vllms_lines_are_parsed_into_the_record():
+    line = parse_line("(EngineCore_DP0 pid=77) WARNING 12-01 08:49:16 [core.py:133] low memory", "stdout")
+    assert (line.prefix_name, line.prefix_pid, line.level, line.source, line.message) == \
+        ("EngineCore_DP0", 77, "warning", "core.py:133", "low memory")
+    colored = parse_line("\x1b[36m(Worker_TP1 pid=9)\x1b[0m INFO 12-01 08:49:16 [a.py:1] hi", "stdout")
+    assert (colored.prefix_name, colored.message) == ("Worker_TP1", "hi")
+    assert parse_line('INFO:     127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 200 OK', "stdout").level == "info"
+    assert parse_line("[W1201 09:00:05.660 utils.cpp:68] Warning: NUMA", "stderr").level == "warning"
+    assert parse_line("\rLoading shards: 100% Completed | 1/1 [00:00<00:00, 247.73it/s]", "stderr").level == "info"
+    assert parse_line("x.py:3: FutureWarning: old", "stderr").level == "warning"
+    assert parse_line("Segmentation fault", "stderr").level is None  # the stream decides
+
+
+def flags(**kw):
+    return ServeFlags(**{**dict(model="/m", served_model_name="m", host="127.0.0.1", port=8000, dtype="auto",
+                                max_num_seqs=16, seed=3, drain_timeout=7.5, gpu_memory_utilization=0.8), **kw})
+
+
+def test_vsup_flags_become_vllms():
+    argv = serve_argv("vllm", ParallelConfig(tensor_parallel_size=2), flags(max_model_len=256), ("--x", "1"))
+    text = " ".join(argv)
+    assert text.startswith("vllm serve /m --served-model-name m --host 127.0.0.1 --port 8000")
+    assert "--tensor-parallel-size 2" in text and "--dtype float32" in text and "--seed 3" in text
+    assert "--shutdown-timeout 8" in text and "--max-model-len 256" in text and "--enforce-eager" in text
+    assert argv[-2:] == ["--x", "1"] and "--gpu-memory-utilization" not in argv
+    cuda = serve_argv("vllm", ParallelConfig(device="cuda"), flags(kv_cache_bytes=5), ())
+    assert "--gpu-memory-utilization" in cuda and "--kv-cache-memory-bytes" in cuda and "auto" in cuda
+    env = serve_env(ParallelConfig(tensor_parallel_size=2), flags(), [[0], [1]], "secret")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert env["VLLM_API_KEY"] == "secret" and "secret" not in argv
+    assert cpu_kv_cache_gib(3 * GIB) == 3
+    with pytest.raises(UsageError, match="whole GiB"):
+        cpu_kv_cache_gib(GIB // 2)
+
+
+def test_flags_are_checked_against_vllms_help():
+    known = parse_flags("options:\n  --api-server-count N, -asc N\n                        How many.\n"
+                        "  --enforce-eager, --no-enforce-eager\n  --compilation-config CONFIG, -cc CONFIG\n")
+    assert {"--api-server-count", "-asc", "--enforce-eager", "--no-enforce-eager", "-cc"} <= known
+    assert unknown_flags(["--enforce-eager", "--compilation-config.mode=3", "-asc", "2", "--nope=1", "-3"],
+                         known) == ["--nope"]
+
+
+def test_a_hang_is_requests_waiting_with_no_token():
+    progress = Progress(health_timeout=10, hang_timeout=5, now=0)
+    assert progress.update(1, True, (0, 0)) is None          # idle: never a hang
+    assert progress.update(2, True, (3, 10)) is None
+    assert progress.update(6, True, (3, 10)) is None
+    assert "no token for 6 s" in progress.update(8, True, (3, 10))
+    progress = Progress(health_timeout=10, hang_timeout=5, now=0)
+    assert progress.update(9, False, None) is None
+    assert "/health has failed for 12 s" in progress.update(12, False, None)
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+            'vllm:generation_tokens_total{engine="0",model_name="m"} 42.0\n'
+            'vllm:generation_tokens_total{engine="1",model_name="m"} 8.0\n')
+    assert parse_metrics(text) == (3.0, 50.0) and parse_metrics("nothing") is None
+
+
+def test_plan_engine_vllm_on_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--device", "cpu", "-tp", "2",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    plan = json.loads(out)
+    assert [p["name"] for p in plan["processes"]] == ["api-server a0", "engine-core dp0", "worker dp0 pp0 tp0",
+                                                      "worker dp0 pp0 tp1", "helper resource-tracker"]
+    assert plan["processes"][3]["title"] == "VLLM::Worker_TP1"
+    bad = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--no-multiprocessing"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not supported with --engine vllm" in bad.stderr
+    extra = subprocess.run([sys.executable, "-m", "vsup", "plan", "--device", "cpu", "--", "--enforce-eager"],
+                           capture_output=True, text=True)
+    assert extra.returncode == 2 and "only --engine vllm" in extra.stderr

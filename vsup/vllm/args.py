@@ -1,0 +1,111 @@
+"""vsup's flags as `vllm serve` flags and environment. Pure.
+
+What vsup's options mean stays the same under `--engine vllm`: `--dtype auto` is
+float32 on the CPU, `--kv-cache-memory` is the KV cache (on the CPU vLLM takes it
+in whole GiB, as VLLM_CPU_KVCACHE_SPACE), `--drain-timeout` is vLLM's
+`--shutdown-timeout`, and the API key travels in the environment, never in argv.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vsup.errors import UsageError
+from vsup.memory import DEFAULT_CPU_KV_CACHE_BYTES
+from vsup.topology import ParallelConfig
+
+GIB = 2**30
+
+
+
+def check_supported(config: ParallelConfig, **flags) -> None:
+    """Exit 2 for vsup options that --engine vllm does not map (`flags`: option -> whether it was given)."""
+    given = [flag for flag, on in flags.items() if on]
+    if config.headless or config.nnodes > 1 or config.dp_address or config.data_parallel_size_local is not None \
+            or config.data_parallel_start_rank is not None:
+        given.insert(0, "--headless/--nnodes/--dp-address/--dp-size-local/--dp-start-rank")
+    if not config.multiprocessing:
+        given.append("--no-multiprocessing")
+    if given:
+        raise UsageError(f"{', '.join(given)} not supported with --engine vllm (one node, vLLM's own process "
+                         f"model); give vLLM's own flags after --, or use --engine vsup")
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """The vsup flags that map to vLLM's."""
+
+    model: str
+    served_model_name: str
+    host: str
+    port: int
+    dtype: str
+    max_num_seqs: int
+    seed: int
+    drain_timeout: float
+    gpu_memory_utilization: float
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+
+
+def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
+    """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged."""
+    argv = [vllm_bin, "serve", flags.model, "--served-model-name", flags.served_model_name,
+            "--host", flags.host, "--port", str(flags.port),
+            "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--pipeline-parallel-size", str(config.pipeline_parallel_size),
+            "--data-parallel-size", str(config.data_parallel_size),
+            "--dtype", "float32" if flags.dtype == "auto" and config.device == "cpu" else flags.dtype,
+            "--max-num-seqs", str(flags.max_num_seqs), "--seed", str(flags.seed),
+            "--shutdown-timeout", str(math.ceil(flags.drain_timeout))]
+    if config.api_server_count is not None:
+        argv += ["--api-server-count", str(config.api_server_count)]
+    if flags.max_model_len is not None:
+        argv += ["--max-model-len", str(flags.max_model_len)]
+    if config.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(flags.gpu_memory_utilization)]
+        if flags.kv_cache_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(flags.kv_cache_bytes)]
+    else:
+        argv.append("--enforce-eager")  # vLLM's CPU build without Triton: no torch.compile, which takes minutes
+    return [*argv, *extra]
+
+
+def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[int]], api_key: str | None) -> dict:
+    """The environment vLLM reads for what has no flag: the device, the CPU KV cache, thread binding,
+    the API key; and no usage reports home."""
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+           "VLLM_HOST_IP": "127.0.0.1" if flags.host in ("127.0.0.1", "localhost", "::1") else "",
+           "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if v}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    if config.device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(flags.kv_cache_bytes))
+        if len(cpu_binds) > 1 and all(cpu_binds):  # vLLM's own binding wants a NUMA node per worker
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores)) for cores in cpu_binds)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def cpu_kv_cache_gib(kv_cache_bytes: int | None) -> int:
+    """--kv-cache-memory in the whole GiB that VLLM_CPU_KVCACHE_SPACE takes (default 1 GiB, as for vsup's engine)."""
+    size = DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
+    if size < GIB or size % GIB:
+        raise UsageError(f"--kv-cache-memory {size} bytes: with --engine vllm on the CPU the KV cache is set in "
+                         f"whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); use {max(1, math.ceil(size / GIB))}GiB")
+    return size // GIB
+
+
+def unknown_flags(argv: list[str], known: set[str]) -> list[str]:
+    """The flags of `argv` that this vLLM's `serve --help=all` does not list (`--a.b=c` counts as `--a`)."""
+    unknown = []
+    for arg in argv:
+        if arg.startswith("-") and len(arg) > 1 and not arg[1:].replace(".", "").isdigit():
+            flag = arg.split("=", 1)[0]
+            base = flag.split(".", 1)[0]
+            if flag not in known and base not in known:
+                unknown.append(flag)
+    return unknown
