@@ -26,11 +26,11 @@ class Served:
     Its stdout is read only at the end, on purpose: a console nobody reads
     (a full pipe) must not stall the supervisor, and the chaos test fills it."""
 
-    def __init__(self, home, model, *flags, name="e2e"):
+    def __init__(self, home, model, *flags, name="e2e", kv_cache_memory="4MiB", env=None):
         self.home, self.name, self.port = str(home), name, free_port()
-        self.env = {**os.environ, "VSUP_HOME": self.home}
+        self.env = {**os.environ, "VSUP_HOME": self.home, **(env or {})}
         self.proc = subprocess.Popen([*VSUP, "serve", model, "--name", name, "--port", str(self.port),
-                                      "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+                                      "--device", "cpu", "--kv-cache-memory", kv_cache_memory, "--max-model-len", "256",
                                       "--served-model-name", "tiny", "--log-format", "json", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,

@@ -111,6 +111,22 @@ GpuMemoryUtilization = Annotated[float, _option(
 
 Json = Annotated[bool, _option("--json", help="Print JSON instead of text.")]
 
+
+class EngineKind(str, Enum):
+    vsup = "vsup"
+    vllm = "vllm"
+
+
+EngineOpt = Annotated[EngineKind, _option(
+    "--engine", case_sensitive=False,
+    help="vsup: the engine of this project (engine/). vllm: a stock `vllm serve`, which starts its own tree; "
+         "vsup maps its flags to vLLM's, tags, shows and heals that tree, and passes what follows `--` to "
+         "vLLM unchanged.")]
+VllmBin = Annotated[Optional[str], _option(
+    "--vllm-bin", metavar="PATH", show_default=False,
+    help="The vllm executable for --engine vllm.  [default: vllm on PATH, else the project's .vllm-venv "
+         "(make vllm)]")]
+
 SERVING = "Serving"
 SUPERVISION = "Supervision"
 
@@ -151,6 +167,13 @@ StopTimeout = Annotated[float, _option(
     "--stop-timeout", panel=SUPERVISION, help="Seconds each role gets to exit on stop before SIGKILL.")]
 StartupTimeout = Annotated[float, _option(
     "--startup-timeout", panel=SUPERVISION, help="Seconds every process gets to report READY.")]
+HealthTimeout = Annotated[float, _option(
+    "--health-timeout", panel=SUPERVISION,
+    help="With --engine vllm: restart the tree when its /health has failed this many seconds while it was up.")]
+HangTimeout = Annotated[float, _option(
+    "--hang-timeout", panel=SUPERVISION,
+    help="With --engine vllm: restart the tree when requests are waiting and no token has come out for this "
+         "many seconds (from vLLM's /metrics: vLLM can hang with /health at 200).")]
 LogFormatOpt = Annotated[LogFormat, _option(
     "--log-format", case_sensitive=False,
     help="Console output: auto (coloured text on a TTY, plain text otherwise), text or json.")]
@@ -173,7 +196,8 @@ Config = Annotated[Optional[str], _option(
 # what `logs`, `restart` and `stop` select
 
 Role = Annotated[Optional[str], _option(
-    "--role", show_default=False, help="api-server, engine-core, worker, coordinator (logs: or supervisor).")]
+    "--role", show_default=False,
+    help="api-server, engine-core, worker, coordinator (logs: or supervisor; with --engine vllm also helper).")]
 DpRank = Annotated[Optional[int], _option("--dp", show_default=False, help="Only this data-parallel rank.")]
 PpRank = Annotated[Optional[int], _option("--pp", show_default=False, help="Only this pipeline stage.")]
 TpRank = Annotated[Optional[int], _option("--tp", show_default=False, help="Only this tensor-parallel rank.")]

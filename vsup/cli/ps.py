@@ -103,7 +103,8 @@ def render(state: dict) -> str:
     sup = state["supervisor"]
     now = time.time()
     if sup["live"]:
-        head = (f"{sup['name']}: {sup['state']} {sup['model']} on {sup['url']} "
+        engine = " with vLLM" if sup.get("engine") == "vllm" else ""
+        head = (f"{sup['name']}: {sup['state']} {sup['model']}{engine} on {sup['url']} "
                 f"(supervisor pid {sup['pid']}, up {_duration(now - sup['started_at'])})")
     else:
         head = (f"{sup['name']}: supervisor not running; last state ({sup['state']}) "

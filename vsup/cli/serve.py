@@ -13,10 +13,13 @@ from vsup.errors import UsageError
 app = typer.Typer()
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def serve(
+    ctx: typer.Context,
     model: o.Model = None,
     config: o.Config = None,
+    engine: o.EngineOpt = o.EngineKind.vsup,
+    vllm_bin: o.VllmBin = None,
     tensor_parallel_size: o.TensorParallelSize = 1,
     pipeline_parallel_size: o.PipelineParallelSize = 1,
     data_parallel_size: o.DataParallelSize = 1,
@@ -49,6 +52,8 @@ def serve(
     drain_timeout: o.DrainTimeout = 30.0,
     stop_timeout: o.StopTimeout = 10.0,
     startup_timeout: o.StartupTimeout = 600.0,
+    health_timeout: o.HealthTimeout = 30.0,
+    hang_timeout: o.HangTimeout = 120.0,
     log_format: o.LogFormatOpt = o.LogFormat.auto,
 ) -> None:
     """Launch and supervise the whole process tree that `vsup plan` shows, then serve the OpenAI API.
@@ -58,12 +63,16 @@ def serve(
     a worker's whole worker group, an engine core with its group, the
     coordinator or an API server alone. Without MODEL it serves
     SmolLM2-135M-Instruct, converted once into the user's cache.
+
+    With --engine vllm it starts a stock `vllm serve` (flags after `--` go to
+    it unchanged) and supervises the tree vLLM builds as one unit.
     """
-    from vsup.cli.sizing import model_memory, parallel_config
+    from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
     from vsup.rundir import RunDir
     from vsup.supervisor.restart_policy import RestartPolicy
     from vsup.topology import plan as make_plan
 
+    model, extra = split_engine_args(model, ctx.args, engine.value)
     config = parallel_config(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
@@ -87,6 +96,25 @@ def serve(
         check_port_free(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization)
+    if engine == o.EngineKind.vllm:
+        from vsup.vllm.args import ServeFlags, check_supported
+        from vsup.vllm.launch import probe_url, vllm_deployment
+
+        check_supported(config, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep})
+        flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
+                           host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
+                           drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
+                           max_model_len=max_model_len,
+                           kv_cache_bytes=memory.stages[0].kv_cache_bytes if kv_cache_memory else None)
+        the_plan = vllm_deployment(config, flags, vllm_bin, extra, api_key)
+        run_dir.create()
+        run_dir.lock()
+        vllm = {"probe_url": probe_url(host, port), "health_timeout": health_timeout, "hang_timeout": hang_timeout}
+        code, message = supervise(the_plan, run_dir, model_dir, f"http://{host}:{port}", policy, log_format.value,
+                                  {}, drain_timeout, stop_timeout, startup_timeout, vllm=vllm)
+        if code:
+            typer.echo(f"vsup serve: {message}", err=True)
+        raise typer.Exit(code)
     run_dir.create()
     run_dir.lock()
 
@@ -112,7 +140,8 @@ def serve(
 
 
 def supervise(the_plan, run_dir, model_dir, url, policy, log_format, env, drain_timeout, stop_timeout,
-              startup_timeout) -> tuple[int, str | None]:
+              startup_timeout, vllm: dict | None = None) -> tuple[int, str | None]:
+    """Run the supervisor of the plan (of a stock vLLM's tree with `vllm`) until it stops; (exit code, message)."""
     from vsup.supervisor.log_router import Console, JsonlWriter, LogRouter
     from vsup.supervisor.manager import Options, Supervisor
 
@@ -123,7 +152,12 @@ def supervise(the_plan, run_dir, model_dir, url, policy, log_format, env, drain_
     options = Options(model=os.path.basename(model_dir), url=url, restart_policy=policy,
                       startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
                       env=env)
-    supervisor = Supervisor(the_plan, run_dir, options, router)
+    if vllm is None:
+        supervisor = Supervisor(the_plan, run_dir, options, router)
+    else:
+        from vsup.supervisor.vllm_tree import VllmOptions, VllmSupervisor
+
+        supervisor = VllmSupervisor(the_plan, run_dir, options, router, VllmOptions(**vllm))
     router.sinks.append(supervisor.on_record)
     router.start()
     try:

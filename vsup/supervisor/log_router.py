@@ -16,8 +16,9 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vsup.supervisor.log_format import render, tag_line
+from vsup.supervisor.log_format import render, supervisor_record, tag_line
 
+LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
 ROTATE_BYTES = 16 << 20
 KEEP_FILES = 5
 
@@ -116,6 +117,14 @@ class LogRouter(threading.Thread):
         self.pending.append((pipe, stream, tag))
         os.write(self.wake_w, b"x")
 
+    def listen(self, sock, on_hello: Callable[[dict], None], tagger: Callable[[str, str, int], dict]) -> None:
+        """Accept the start-up hook's connections on `sock` (a stock vLLM's processes, vsup/vllm/hook):
+        each opens with one JSON line {"pid", "ppid", "stream"}, handed to `on_hello`; every later line
+        becomes the record `tagger(line, stream, pid)`."""
+        self.on_hello, self.tagger = on_hello, tagger
+        self.pending.append((sock, LISTEN, None))
+        os.write(self.wake_w, b"x")
+
     def stop(self) -> None:
         """Drain what the pipes still hold, then end the thread."""
         self.stopping = True
@@ -130,10 +139,16 @@ class LogRouter(threading.Thread):
                     os.read(self.wake_r, 4096)
                     while self.pending:
                         pipe, stream, tag = self.pending.popleft()
+                        if stream == LISTEN:
+                            self.selector.register(pipe, selectors.EVENT_READ, (LISTEN, pipe))
+                            continue
                         os.set_blocking(pipe, False)
                         self.selector.register(pipe, selectors.EVENT_READ, (stream, tag))
                         buffers[pipe] = bytearray()
                         self.open_pipes += 1
+                    continue
+                if key.data[0] == LISTEN:
+                    self._accept(key.data[1], buffers)
                     continue
                 pipe, (stream, tag) = key.fd, key.data
                 try:
@@ -150,18 +165,49 @@ class LogRouter(threading.Thread):
                     self.open_pipes -= 1
                 buffers[pipe] = bytearray(rest)
                 for raw in lines:
+                    if stream == HELLO:  # a hook connection's first line says whose it is
+                        stream, tag = self._hello(raw, pipe, chunk)
+                        continue
                     self._line(raw.decode(errors="replace").rstrip("\r"), stream, tag)
             if self.stopping and not self.selector.select(timeout=0):
                 break
 
-    def _line(self, line: str, stream: str, tag: dict) -> None:
-        if not line.strip():
+    def _accept(self, sock, buffers: dict) -> None:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
             return
-        record = tag_line(line, stream, tag)
+        fd = conn.detach()
+        os.set_blocking(fd, False)
+        self.selector.register(fd, selectors.EVENT_READ, (HELLO, None))
+        buffers[fd] = bytearray()
+        self.open_pipes += 1
+
+    def _hello(self, raw: bytes, fd: int, chunk: bytes) -> tuple[str, dict | None]:
+        """Read a hook connection's first line; a malformed one is logged and its lines dropped."""
+        try:
+            hello = json.loads(raw)
+            pid, stream = int(hello["pid"]), str(hello["stream"])
+            if stream not in ("stdout", "stderr"):
+                raise ValueError(f"stream {stream!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            self.emit(supervisor_record("malformed hook hello dropped", "warning", error=str(e)[:200]))
+            stream, tag = DROP, None
+        else:
+            self.on_hello(hello)
+            tag = {"hook_pid": pid}
+        if chunk:  # still open: later reads carry the new stream and tag
+            self.selector.modify(fd, selectors.EVENT_READ, (stream, tag))
+        return stream, tag
+
+    def _line(self, line: str, stream: str, tag: dict) -> None:
+        if not line.strip() or stream == DROP:
+            return
+        record = self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag else tag_line(line, stream, tag)
         if stream == "stderr":
-            self.last_stderr.setdefault(tag["name"], deque(maxlen=20)).append(line)
+            self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON
             said = record.get("error") or record.get("exception")
-            self.last_stderr.setdefault(tag["name"], deque(maxlen=20)).append(
+            self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(
                 f"{record.get('event')}: {said}" if said else str(record.get("event")))
         self.emit(record)

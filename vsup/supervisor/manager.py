@@ -285,7 +285,7 @@ class Supervisor:
     # state
 
     def snapshot(self) -> dict:
-        return {"supervisor": {"pid": os.getpid(), "name": self.run_dir.name, "model": self.options.model,
+        return {"supervisor": {"pid": os.getpid(), "name": self.run_dir.name, "engine": "vsup", "model": self.options.model,
                                "url": self.options.url, "state": self.state, "started_at": self.started_at,
                                "message": self.message, "formula": self.plan.formula},
                 "units": {u.name: {"state": u.state, "restarts": u.restart.total} for u in self.units.values()},

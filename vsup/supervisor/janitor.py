@@ -1,0 +1,44 @@
+"""`python -m vsup.supervisor.janitor RUN_DIR`: what a stock vLLM tree leaves when vsup itself is killed.
+
+The supervisor starts it with a pipe on stdin and never writes to it. When the
+supervisor exits, however it exits, the pipe closes; the janitor then waits (at
+most 5 s) until the tree's processes are gone, removes the /dev/shm entries the
+tree made (listed in RUN_DIR/shm.txt) and its temporary dir, and exits. After a
+normal stop the supervisor has done this already and the janitor finds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from vsup import shm_sweep
+
+
+def main(run_dir: str) -> None:
+    sys.stdin.buffer.read()  # until the supervisor's end closes
+    path = Path(run_dir)
+    try:
+        pids = [p["pid"] for p in json.loads((path / "state.json").read_text())["processes"] if p.get("pid")]
+    except (OSError, ValueError, KeyError, TypeError):
+        pids = []
+    deadline = time.monotonic() + 5
+    while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shm_sweep.sweep(path)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+if __name__ == "__main__":
+    os.setsid()  # not in the tree's process group: a kill of the group must leave it to clean up
+    main(sys.argv[1])
