@@ -44,11 +44,14 @@ class Snapshot:
         ancestor: a restarted worker of a module-scoped deployment belongs to that deployment."""
         deadline = time.monotonic() + timeout
         while True:
-            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.pids
-                    and _alive(p) and not self._under_older(p)]
-            shm = sorted(set(os.listdir(SHM)) - self.shm)
+            everyone = [p for p in psutil.Process().children(recursive=True) if _alive(p)]
+            older = [p for p in everyone if p.pid in self.pids or self._under_older(p)]
+            left = [p for p in everyone if p not in older]
+            shm = set(os.listdir(SHM)) - self.shm
+            if older:  # an older scope's deployment still runs (and may restart): its module checks /dev/shm
+                shm = set()
             if (not left and not shm) or time.monotonic() > deadline:
-                return left, shm
+                return left, sorted(shm)
             time.sleep(0.05)
 
     def _under_older(self, p: psutil.Process) -> bool:
