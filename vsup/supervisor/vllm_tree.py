@@ -319,20 +319,29 @@ class VllmSupervisor(Supervisor):
                 self.log("helper exited", "warning", process=name, pid=cause.pid, exit=cause.last_exit)
                 self.save()
                 return
-            self.history.setdefault(name, {"restarts": 0, "last_exit": None})["last_exit"] = cause.last_exit
-            self.end_tree(f"{name} exited ({cause.last_exit})", cause)
+            for dead in {id(proc): proc, id(cause): cause}.values():
+                if dead.last_exit is not None:
+                    self.history.setdefault(self._name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
+            how = f"exited ({cause.last_exit})" if cause.last_exit else f"stopped {self._name_of(proc)} " \
+                                                                         f"({proc.last_exit})"
+            self.end_tree(f"{name} {how}", cause)
         self._sweep_if_gone()
 
     def _name_of(self, proc) -> str:
         return proc.spec.name if isinstance(proc, Child) else (proc.name or f"pid {proc.pid}")
 
     def _first_to_die(self, proc):
-        """A process whose parent is dead too followed it out (PR_SET_PDEATHSIG): the parent is the cause."""
+        """The process whose end ended the tree. One whose parent is dead too followed it out
+        (PR_SET_PDEATHSIG), and one that exited 0 was told to by its parent (vLLM's processes never
+        end cleanly on their own, and an engine core stops its workers before it exits): the parent is."""
         seen = set()
         while isinstance(proc, Observed) and proc.ppid not in seen:
             seen.add(proc.ppid)
             parent = self.root if proc.ppid == self.root.pid else self.tree.get(proc.ppid)
-            if parent is None or (parent.popen.poll() is None if parent is self.root else _running(parent.pid)):
+            if parent is None or parent is self.root and proc.last_exit == "exit 0":
+                break
+            if proc.last_exit != "exit 0" and (parent.popen.poll() is None if parent is self.root
+                                               else _running(parent.pid)):
                 break
             if parent is not self.root and parent.last_exit is None:
                 parent.last_exit = _exit_status(parent.pid)
