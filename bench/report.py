@@ -36,6 +36,7 @@ BENCHES = {
     "supervisor": "bench/supervisor.py",
     "plan_latency": "bench/plan_latency.py",
     "vllm_cpu": "bench/vllm_cpu.py",
+    "vllm_supervised": "bench/vllm_supervised.py",
     "scaling": "bench/scaling.py",
 }
 SECTIONS = ("Conditions", "Serving", "Engine overhead", "The seed's claim", "The supervisor", "Scaling",
@@ -440,6 +441,27 @@ class Report:
         else:
             why = v["detect"].get("why_not") or "smoke mode: detection only"
             self.add(f"- cold start against vLLM-CPU: not measured ({why})")
+        w = self.data.get("vllm_supervised")
+        if w is None:
+            self.need("vllm_supervised")
+        elif w.get("side_by_side"):
+            s, h = w["side_by_side"], w.get("heal") or {}
+            tput = [(int(k.rsplit("_", 1)[1]), x) for k, x in s.items() if k.startswith("vsup_over_vllm_tok_s_")]
+            self.add(f"- vsup around a stock vLLM-CPU {w['detect'].get('version')} (`vllm_supervised.json`, best of "
+                     f"{s['rounds']} alternating rounds, the same vLLM argv): cold start to /health "
+                     f"{s['health_extra_s']:+.1f} s (goal <= +1 s); throughput "
+                     + ", ".join(f"{n} streams **{x:.3f}x**" for n, x in sorted(tput)) + " (goal >= 0.98x); "
+                     f"{h.get('log_lines_per_s', float('nan')):.0f} log lines/s from one process; kill -9 of the "
+                     f"worker to the next token {_f(h.get('kill_worker_to_next_token_s'))} s (bare vLLM exits)")
+            for n, x in sorted(tput):
+                bars.append((f"{n} streams, vsup --engine vllm / bare vLLM", x, "goal >= 0.98"))
+                self.goal(f"throughput at {n} streams, vsup around vLLM / bare vLLM >= 0.98", f"{x:.3f}",
+                          "met" if x >= 0.98 else "not met")
+            self.goal("cold start to /health, vsup around vLLM - bare vLLM <= +1 s", f"{s['health_extra_s']:+.1f} s",
+                      "met" if s["health_extra_s"] <= 1 else "not met")
+        else:
+            why = w["detect"].get("why_not") or "smoke mode: detection only"
+            self.add(f"- vsup around a stock vLLM: not measured ({why})")
         self.add("")
         if bars:
             self.figure("supervisor.png", "The supervisor's figures, each over its baseline",

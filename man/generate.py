@@ -112,6 +112,16 @@ ENVIRONMENT = {
                          "share of the supervisor's, when there are at least as many as CPU workers).",
     "VSUP_PACKED_LINEAR": "0 makes CPU workers run their linear layers through F.linear instead of "
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
+    "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "
+                        "PYTHONPATH: the supervisor's socket that every process of the tree connects its stdout "
+                        "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have), VSUP_HOOK_SHM_LOG "
+                        "(where the hook lists the shared memory it saw created) and VSUP_HOOK_STATE_FILE (the "
+                        "state.json whose restart counts `vllm serve` adds to its /metrics) go with it.",
+    "VSUP_HOOK_PARENT": "See VSUP_HOOK_SOCKET.",
+    "VSUP_HOOK_SHM_LOG": "See VSUP_HOOK_SOCKET.",
+    "VSUP_HOOK_STATE_FILE": "See VSUP_HOOK_SOCKET.",
+    "VSUP_HOOK_TEST_FD2": "Tests and benches only: {TITLE|TEXT[|COUNT]} makes the process of a vLLM tree "
+                          "titled TITLE write TEXT to its fd 2 natively.",
     "NOTIFY_SOCKET": "Set by systemd for a Type=notify service: `vsup serve` sends READY=1 once every "
                      "process is ready and STOPPING=1 when it begins to stop.",
     "XDG_STATE_HOME": "The base of the run dirs when VSUP_HOME is unset.",

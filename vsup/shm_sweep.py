@@ -1,4 +1,4 @@
-"""The /dev/shm entries and temporary files a stock vLLM tree made, and removing them when it is gone.
+"""The /dev/shm entries and the temporary dir a stock vLLM tree made, and removing them when it is gone.
 
 Two sources name them in RUN_DIR/shm.txt, one `KIND NAME` a line: the start-up hook
 (every segment and semaphore multiprocessing registers) and the supervisor, which
@@ -16,9 +16,18 @@ SHM = Path("/dev/shm")
 LIST = "shm.txt"
 
 
-def tmp_dir(run_dir: Path) -> Path:
-    """The tree's TMPDIR: vLLM's rendezvous files (vllm_dist_*) go there, not to /tmp."""
-    return run_dir / "tmp"
+TMPDIR_NOTE = "tmpdir"
+
+
+def make_tmp_dir(run_dir: Path) -> Path:
+    """A TMPDIR of the tree's own (0700), so that vLLM's rendezvous files and ipc sockets go where the sweep
+    finds them. Short, under the system's temp dir: an ipc:// path in it must fit 107 bytes, which one in a
+    run dir may not. Its path is noted in the run dir."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="vsup-vllm-"))
+    (run_dir / TMPDIR_NOTE).write_text(str(path))
+    return path
 
 
 def mapped(pid: int) -> set[str]:
@@ -61,9 +70,11 @@ def sweep(run_dir: Path) -> list[str]:
             removed.append(name)
         except OSError:
             pass
-    try:
-        os.unlink(run_dir / LIST)
-    except OSError:
-        pass
-    shutil.rmtree(tmp_dir(run_dir), ignore_errors=True)
+    for note in (LIST, TMPDIR_NOTE):
+        try:
+            if note == TMPDIR_NOTE:
+                shutil.rmtree((run_dir / note).read_text().strip(), ignore_errors=True)
+            os.unlink(run_dir / note)
+        except OSError:
+            pass
     return removed

@@ -33,6 +33,7 @@ BENCHES = {
     "plan_latency": ["vsup_plan_s", "import_typer_s", "ratio"],
     "ring_buffer": ["rows"],
     "vllm_cpu": ["detect"],
+    "vllm_supervised": ["detect"],
 }
 SECTIONS = ["## Conditions", "## Serving", "## Engine overhead", "## The seed's claim", "## The supervisor",
             "## Scaling", "## Against the goals", "## Missing inputs"]

@@ -230,11 +230,11 @@ class VllmSupervisor(Supervisor):
 
     def start(self, children: list[Child]) -> None:
         run_dir = self.run_dir.path
-        tmp = shm_sweep.tmp_dir(run_dir)
-        tmp.mkdir(mode=0o700, exist_ok=True)
+        tmp = shm_sweep.make_tmp_dir(run_dir)
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
                "VSUP_HOOK_SHM_LOG": str(run_dir / shm_sweep.LIST), "TMPDIR": str(tmp),
+               **({"VSUP_HOOK_STATE_FILE": str(self.run_dir.state_file)} if self.root.spec.role == API_SERVER else {}),
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
         out, err = self.root.spawn(env)

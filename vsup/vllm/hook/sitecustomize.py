@@ -14,11 +14,13 @@ nothing unless VSUP_HOOK_SOCKET is set. In each process it:
   whatever became of the parents in between;
 - appends each shared-memory segment and semaphore that multiprocessing
   registers to VSUP_HOOK_SHM_LOG, so that what a killed tree leaves in /dev/shm
-  can be found and removed.
+  can be found and removed;
+- in `vllm serve` itself, when it is the one API server, adds vsup's restart
+  counters to vLLM's own /metrics (no second scrape target).
 
 The standard library only: this runs inside vLLM's interpreter, not vsup's.
-VSUP_HOOK_TEST_FD2=TITLE|TEXT (tests only) makes the process titled TITLE
-write TEXT to fd 2 natively, from a thread.
+VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT] (tests and benches only) makes the
+process titled TITLE write TEXT to fd 2 natively, from a thread.
 """
 
 import ctypes
@@ -97,8 +99,10 @@ def _record_shared_memory() -> None:
 
 
 def _test_fd2() -> None:
-    """VSUP_HOOK_TEST_FD2=TITLE|TEXT: the process titled TITLE writes TEXT to fd 2 natively, from a thread."""
-    title, _, text = os.environ.get("VSUP_HOOK_TEST_FD2", "").partition("|")
+    """VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT]: the process titled TITLE writes the line TEXT (COUNT times,
+    default once) to fd 2 natively, from a thread."""
+    title, _, rest = os.environ.get("VSUP_HOOK_TEST_FD2", "").partition("|")
+    text, _, count = rest.partition("|")
     if not text:
         return
 
@@ -108,11 +112,40 @@ def _test_fd2() -> None:
         for _ in range(1200):
             with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
                 if f.read().split(b"\0")[0].decode(errors="replace") == title:
-                    os.write(2, f"{text}\n".encode())
+                    data = f"{text}\n".encode() * int(count or 1)
+                    while data:
+                        data = data[os.write(2, data):]
                     return
             time.sleep(0.25)
 
     threading.Thread(target=write_once_titled, name="vsup-hook-test", daemon=True).start()
+
+
+def _export_restarts() -> None:
+    """On vLLM's own /metrics (its one API server, VSUP_HOOK_STATE_FILE set): `vsup_restarts_total{role}`,
+    the trees vsup restarted by the role whose process died, read from state.json at scrape time."""
+    state = os.environ.get("VSUP_HOOK_STATE_FILE")
+    if not state:
+        return
+    try:
+        from prometheus_client.core import REGISTRY, CounterMetricFamily
+    except ImportError:
+        return
+
+    class Restarts:
+        def collect(self):
+            try:
+                with open(state) as f:
+                    by_role = json.load(f)["units"]["vllm"].get("by_role") or {}
+            except (OSError, ValueError, KeyError, TypeError):
+                by_role = {}
+            family = CounterMetricFamily("vsup_restarts", "vLLM trees vsup restarted, by the role whose process "
+                                         "died.", labels=["role"])
+            for role in ("api-server", "engine-core", "worker", "coordinator", "helper"):
+                family.add_metric([role], int(by_role.get(role, 0)))
+            yield family
+
+    REGISTRY.register(Restarts())
 
 
 def _after_fork() -> None:
@@ -121,6 +154,9 @@ def _after_fork() -> None:
 
 
 if os.environ.get("VSUP_HOOK_SOCKET"):
+    if os.environ.get("VSUP_HOOK_PARENT") == os.environ.get("VSUP_SUPERVISOR_PID"):  # `vllm serve` itself
+        _export_restarts()
+    os.environ.pop("VSUP_HOOK_STATE_FILE", None)  # its children have no /metrics of their own
     _install(int(os.environ.get("VSUP_HOOK_PARENT", "0")))
     _record_shared_memory()
     _test_fd2()

@@ -1,0 +1,166 @@
+"""What vsup costs around a stock vLLM: `vsup serve --engine vllm` against bare `vllm serve`, in one run.
+
+Both sides serve the default model with the very same vLLM argv and environment (vsup's own
+mapping, vsup/vllm/args.py), one after the other, the order flipped every round:
+- cold start, launch to the first /health 200 (goal: vsup at most +1 s);
+- throughput at 16 and 64 streams of 64 tokens (goal: vsup at least 0.98x);
+- under vsup only, kill -9 of the worker to the next token served (bare vLLM exits and serves
+  nothing again), and the lines/s vsup's log router takes from a process of the tree.
+
+    python bench/vllm_supervised.py [--quick | --smoke]     # --smoke: detection only, nothing started
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import (Children, Server, add_mode_args, conditions, free_port, mode, print_table, ratio, run_streams,
+                    settle, stream_summary, write_results)
+from vllm_cpu import MODEL_NAME, detect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vsup.topology import ParallelConfig  # noqa: E402
+from vsup.vllm.args import ServeFlags, serve_argv, serve_env  # noqa: E402
+from vsup.vllm.help import PROJECT_VENV_BIN  # noqa: E402
+
+MAX_MODEL_LEN = 2048
+FLOOD_LINES = 20000
+
+
+def flags(model_dir: str, port: int) -> ServeFlags:
+    return ServeFlags(model=model_dir, served_model_name=MODEL_NAME, host="127.0.0.1", port=port, dtype="auto",
+                      max_num_seqs=256, seed=0, drain_timeout=5, gpu_memory_utilization=0.9,
+                      max_model_len=MAX_MODEL_LEN)
+
+
+def bare(children: Children, model_dir: str, log_dir: Path) -> Server:
+    """`vllm serve` as vsup would start it, without vsup."""
+    port = free_port()
+    config = ParallelConfig()
+    argv = serve_argv(str(PROJECT_VENV_BIN), config, flags(model_dir, port))
+    return Server("vllm serve", argv, port, log_dir / f"bare-{port}.log", children,
+                  env=serve_env(config, flags(model_dir, port), [], None), model=MODEL_NAME)
+
+
+def supervised(children: Children, model_dir: str, home: Path, env: dict | None = None) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "vsup", "serve", model_dir, "--engine", "vllm", "--port", str(port),
+            "--name", f"b{port}", "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+            "--drain-timeout", "5", "--log-format", "json"]
+    return Server("vsup --engine vllm", argv, port, home / f"vsup-{port}.log", children,
+                  env={"VSUP_HOME": str(home), **(env or {})}, model=MODEL_NAME)
+
+
+def throughput(server: Server, streams: int, tokens: int) -> float:
+    run = asyncio.run(run_streams(server.url, server.model, [f"Tell me story {i}." for i in range(streams)], tokens))
+    return stream_summary(run)["tokens_per_s"]
+
+
+def side_by_side(model_dir: str, rounds: int, stream_counts: list[int], tokens: int) -> dict:
+    samples = {side: {"health_s": [], **{f"tok_s_{n}": [] for n in stream_counts}} for side in ("vsup", "vllm")}
+    with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-sup-") as tmp:
+        for r in range(rounds):
+            for side in ("vsup", "vllm") if r % 2 == 0 else ("vllm", "vsup"):
+                with Children(grace_s=30) as children:
+                    server = supervised(children, model_dir, Path(tmp)) if side == "vsup" \
+                        else bare(children, model_dir, Path(tmp))
+                    samples[side]["health_s"].append(server.wait_ready(timeout_s=600))
+                    throughput(server, 1, 8)  # warm-up
+                    for n in stream_counts:
+                        settle(children.procs)
+                        samples[side][f"tok_s_{n}"].append(throughput(server, n, tokens))
+                    server.stop()
+                print(f"  round {r} {side}: /health {samples[side]['health_s'][-1]:.1f} s, "
+                      + ", ".join(f"{n} streams {samples[side][f'tok_s_{n}'][-1]:.0f} tok/s" for n in stream_counts),
+                      flush=True)
+    best = {side: {k: (min(v) if k == "health_s" else max(v)) for k, v in s.items()} for side, s in samples.items()}
+    out = {"rounds": rounds, "samples": samples, "best": best,
+           "health_extra_s": best["vsup"]["health_s"] - best["vllm"]["health_s"]}
+    for n in stream_counts:
+        out[f"vsup_over_vllm_tok_s_{n}"] = ratio(best["vsup"][f"tok_s_{n}"], best["vllm"][f"tok_s_{n}"])
+    return out
+
+
+def ps(home: Path, name: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "vsup", "ps", "--name", name, "--json"], capture_output=True,
+                         text=True, env={**os.environ, "VSUP_HOME": str(home)})
+    return json.loads(out.stdout)
+
+
+def heal_and_flood(model_dir: str) -> dict:
+    """Under vsup: kill -9 of the worker -> the next token served; lines/s from a flooding process."""
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-heal-") as tmp, Children(grace_s=30) as children:
+        home = Path(tmp)
+        flood = f"VLLM::Worker|{'x' * 100}|{FLOOD_LINES}"
+        server = supervised(children, model_dir, home, env={"VSUP_HOOK_TEST_FD2": flood})
+        server.wait_ready(timeout_s=600)
+        name = server.proc.args[server.proc.args.index("--name") + 1]
+        log = home / name / "logs" / "vsup.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum(1 for line in open(log) if '"x' in line) < FLOOD_LINES:
+            time.sleep(0.2)
+        stamps = [json.loads(line)["ts"] for line in open(log) if '"x' in line]
+        from datetime import datetime
+
+        span = (datetime.fromisoformat(stamps[-1].rstrip("Z")) - datetime.fromisoformat(stamps[0].rstrip("Z")))
+        lines_per_s = (len(stamps) - 1) / max(span.total_seconds(), 1e-6)
+        worker = next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker")
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        served_s = None
+        while time.monotonic() - killed < 600:
+            try:
+                if httpx.post(f"{server.url}/v1/completions", json=body, timeout=5).status_code == 200 and \
+                        time.monotonic() - killed > 1:
+                    served_s = time.monotonic() - killed
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        server.stop()
+    return {"log_lines_per_s": lines_per_s, "flood_lines": len(stamps), "kill_worker_to_next_token_s": served_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_mode_args(parser)
+    args = parser.parse_args(argv)
+    run_mode = mode(args)
+    results: dict = {"conditions": conditions(), "detect": detect()}
+    found = results["detect"]
+    print(f"vLLM-CPU: {'version ' + found['version'] if found['available'] else 'not available: ' + found['why_not']}")
+    if found["available"] and run_mode != "smoke":
+        from engine.model.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+        quick = run_mode == "quick"
+        s = results["side_by_side"] = side_by_side(model_dir, 1 if quick else 2, [16] if quick else [16, 64], 64)
+        rows = [["cold start to /health, s", s["best"]["vsup"]["health_s"], s["best"]["vllm"]["health_s"],
+                 f"{s['health_extra_s']:+.1f} s"]]
+        rows += [[f"{n} streams, tok/s", s["best"]["vsup"][f"tok_s_{n}"], s["best"]["vllm"][f"tok_s_{n}"],
+                  f"{s[f'vsup_over_vllm_tok_s_{n}']:.3f}x"] for n in ([16] if quick else [16, 64])]
+        print_table("vsup --engine vllm against bare vllm serve (best of each)", ["", "vsup", "vLLM", "vsup/vLLM"],
+                    rows)
+        h = results["heal"] = heal_and_flood(model_dir)
+        print_table("under vsup only", ["figure", "value"],
+                    [["log lines/s through the supervisor", f"{h['log_lines_per_s']:.0f}"],
+                     ["kill -9 of the worker -> next token, s", h["kill_worker_to_next_token_s"]]])
+    write_results("vllm_supervised", results, run_mode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
