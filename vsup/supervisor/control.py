@@ -16,15 +16,7 @@ import psutil
 class ControlServer:
     def __init__(self, path: str, supervisor):
         self.path, self.supervisor = path, supervisor
-        if os.path.exists(path):
-            os.unlink(path)  # a dead supervisor's leftover: the run dir lock says nobody else holds it
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self.sock.bind(path)
-        finally:
-            os.umask(old)
-        self.sock.listen(16)
+        self.sock = listen_unix(path)
         self.sock.setblocking(False)
         self.procs: dict[int, psutil.Process] = {}
 
@@ -78,6 +70,21 @@ class ControlServer:
         self.sock.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def listen_unix(path: str, backlog: int = 16) -> socket.socket:
+    """A listening Unix stream socket at `path`, mode 0600 whatever the umask. A file already there is a
+    dead supervisor's leftover: the run dir lock says nobody else holds it."""
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(backlog)
+    return sock
 
 
 def request(path: str, payload: dict, timeout: float = 5.0) -> dict:

@@ -9,13 +9,14 @@ normal stop the supervisor has done this already and the janitor finds nothing.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from vsup import shm_sweep
+from vsup import procfs, shm_sweep
 
 
 def main(run_dir: str) -> None:
@@ -26,17 +27,14 @@ def main(run_dir: str) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         pids = []
     deadline = time.monotonic() + 5
-    while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(procfs.running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+    try:  # a new supervisor of this deployment may have started meanwhile: what is listed now is its own
+        lock = os.open(path / "supervisor.pid", os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
     shm_sweep.sweep(path)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 if __name__ == "__main__":

@@ -16,16 +16,16 @@ import ctypes
 import os
 import selectors
 import signal
-import socket
 import threading
 import time
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from vsup import shm_sweep
+from vsup import procfs, shm_sweep
 from vsup.supervisor import notify
 from vsup.supervisor.child import Child, describe_exit
+from vsup.supervisor.control import listen_unix
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
 from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, Plan, process_name
@@ -84,15 +84,7 @@ class VllmSupervisor(Supervisor):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.hook_path = str(run_dir.path / "hook.sock")
-        if os.path.exists(self.hook_path):
-            os.unlink(self.hook_path)
-        self.hook_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self.hook_sock.bind(self.hook_path)
-        finally:
-            os.umask(old)
-        self.hook_sock.listen(64)
+        self.hook_sock = listen_unix(self.hook_path, backlog=64)
         router.listen(self.hook_sock, self.on_hello, self.tag)
         self.janitor = self._start_janitor()
         self.probe_stop = threading.Event()
@@ -134,7 +126,7 @@ class VllmSupervisor(Supervisor):
         spawned process starts as `python -c ...`, a worker is titled twice)."""
         if proc.name and proc.title and (proc.title.startswith(names.TITLE_PREFIX) or proc.role == names.HELPER):
             return
-        title = _cmdline(proc.pid)
+        title = procfs.cmdline(proc.pid)
         if title is None:
             return
         proc.title = title
@@ -294,7 +286,7 @@ class VllmSupervisor(Supervisor):
     def _remember_shm(self) -> None:
         """Note the /dev/shm entries the tree has mapped now (each once), to remove them when it is gone."""
         pids = [self.root.pid, *(p.pid for p in self.tree.values() if p.alive)]
-        new = set().union(*(shm_sweep.mapped(pid) for pid in pids if pid)) - self.shm_noted
+        new = set().union(*(procfs.mapped_shm(pid) for pid in pids if pid)) - self.shm_noted
         shm_sweep.record(self.run_dir.path, new)
         self.shm_noted |= new
 
@@ -307,7 +299,7 @@ class VllmSupervisor(Supervisor):
         else:
             os.close(proc.pidfd)
             proc.pidfd, proc.alive = None, False
-            proc.last_exit = _exit_status(proc.pid)
+            proc.last_exit = procfs.exit_status(proc.pid)
         self._reap_adopted()
         if self.stopping:
             self.save()
@@ -341,10 +333,10 @@ class VllmSupervisor(Supervisor):
             if parent is None or parent is self.root and proc.last_exit == "exit 0":
                 break
             if proc.last_exit != "exit 0" and (parent.popen.poll() is None if parent is self.root
-                                               else _running(parent.pid)):
+                                               else procfs.running(parent.pid)):
                 break
             if parent is not self.root and parent.last_exit is None:
-                parent.last_exit = _exit_status(parent.pid)
+                parent.last_exit = procfs.exit_status(parent.pid)
             proc = parent
         return proc
 
@@ -509,7 +501,7 @@ class VllmSupervisor(Supervisor):
             state = "stopping" if self.stopping else ("ready" if self.state == "serving" else "starting")
         is_root = live is self.root
         pid = live.pid if live is not None else None
-        shown = (_cmdline(pid) if is_root else live.title) if live is not None else None
+        shown = (procfs.cmdline(pid) if is_root else live.title) if live is not None else None
         return {"name": name, "role": role, "a": ranks.get("a"), "dp": ranks.get("dp"), "pp": ranks.get("pp"),
                 "tp": ranks.get("tp"), "node": 0, "device": device, "title": shown or title, "unit": UNIT,
                 "pid": pid, "state": state, "restarts": history["restarts"], "last_exit": history["last_exit"],
@@ -523,32 +515,3 @@ class VllmSupervisor(Supervisor):
         state["processes"] = self._current()
         state["remote"] = []
         return state
-
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _exit_status(pid: int) -> str:
-    """How a process that just exited ended, read from its zombie (/proc/PID/stat, field 52), while its
-    parent has not reaped it yet; else only that it exited."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            status = int(f.read().rsplit(")", 1)[1].split()[49])
-    except (OSError, IndexError, ValueError):
-        return "exited"
-    return describe_exit(os.waitstatus_to_exitcode(status))
-
-
-def _cmdline(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
-    except OSError:
-        return None

@@ -1,0 +1,50 @@
+"""What /proc says of a process: alive or a zombie, how it exited, its command line, its /dev/shm maps."""
+
+from __future__ import annotations
+
+import os
+
+from vsup.supervisor.child import describe_exit
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def exit_status(pid: int) -> str:
+    """How a process that just exited ended, read from its zombie (field 52 of /proc/PID/stat) while
+    its parent has not reaped it yet; else only that it exited."""
+    try:
+        status = int(_stat_fields(pid)[49])
+    except (OSError, IndexError, ValueError):
+        return "exited"
+    return describe_exit(os.waitstatus_to_exitcode(status))
+
+
+def cmdline(pid: int) -> str | None:
+    """Its command line, or the title it set, as one string."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
+    except OSError:
+        return None
+
+
+def mapped_shm(pid: int) -> set[str]:
+    """The /dev/shm entries that process `pid` has mapped now."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split("/dev/shm/", 1)[1].rstrip("\n").removesuffix(" (deleted)")
+                    for line in f if "/dev/shm/" in line}
+    except OSError:
+        return set()
