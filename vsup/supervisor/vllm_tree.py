@@ -236,9 +236,7 @@ class VllmSupervisor(Supervisor):
         self.router.add(err, "stderr", tag)
         self.selector.register(self.root.pidfd, selectors.EVENT_READ, self.root)
         self.started_tree_at = time.monotonic()
-        self.progress, self.cause, self.tree = None, None, {}
-        if self.state != "starting":
-            self.state = "starting"
+        self.progress, self.cause, self.tree, self.state = None, None, {}, "starting"
         self.log("started", process=self.root.spec.name, pid=self.root.pid, argv=" ".join(self.root.spec.argv))
         self.save()
 
@@ -246,9 +244,10 @@ class VllmSupervisor(Supervisor):
 
     def _probe_loop(self) -> None:
         while not self.probe_stop.wait(1.0):
+            asked = time.monotonic()
             healthy = self._get("/health") is not None
             text = self._get("/metrics") if healthy else None
-            self.probes.append((time.monotonic(), healthy, parse_metrics(text) if text else None))
+            self.probes.append((asked, healthy, parse_metrics(text) if text else None))
             try:
                 os.write(self.wake_w, b"p")
             except OSError:
@@ -261,9 +260,12 @@ class VllmSupervisor(Supervisor):
         except (OSError, ValueError):
             return None
 
-    def on_probe(self, now: float, healthy: bool, metrics) -> None:
-        if self.units[UNIT].state != "running" or self.cause is not None or self.stopping:
+    def on_probe(self, asked: float, healthy: bool, metrics) -> None:
+        """One probe's answers (asked at `asked`); a probe asked before this tree started says nothing of it."""
+        if self.units[UNIT].state != "running" or self.cause is not None or self.stopping or \
+                asked < self.started_tree_at:
             return
+        now = asked
         for proc in self.tree.values():
             self._resolve(proc)
         if self.state != "serving":
@@ -359,7 +361,7 @@ class VllmSupervisor(Supervisor):
         """The first death (or a failed probe): end the rest of the tree, then restart it after backoff."""
         self.cause = why
         role = cause.spec.role if isinstance(cause, Child) else cause.role
-        name = cause.spec.name if isinstance(cause, Child) else cause.name
+        name = self._name_of(cause)
         self.log("vllm tree lost", "error", why=why, process=name)
         self._remember_shm()
         self._kill_tree()
@@ -395,9 +397,9 @@ class VllmSupervisor(Supervisor):
             except (ProcessLookupError, PermissionError):
                 pass
         for proc in self.tree.values():
-            if proc.alive:
+            if proc.alive and proc.pidfd is not None:  # by pidfd: never a stranger who got the number
                 try:
-                    os.kill(proc.pid, signal.SIGKILL)
+                    signal.pidfd_send_signal(proc.pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
