@@ -236,11 +236,13 @@ def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_m
         assert {json.loads(line)["name"] for line in lines.splitlines()} == {"worker dp0 pp0 tp1"}
         pids = tree_pids(state)
         assert set(os.listdir("/dev/shm")) - shm_before  # vLLM's CPU communicators made segments
+        tmp = Path((tmp_path / "vllm-tp2" / "tmpdir").read_text())  # the tree's TMPDIR
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("vllm_dist_")]  # its rendezvous file
         s.proc.kill()  # kill -9 of vsup itself
         wait_for(lambda: not [pid for pid in pids.values() if _running(pid)], timeout=2.0,
                  what=f"the tree gone within 2 s of vsup: {pids}")
-        wait_for(lambda: not set(os.listdir("/dev/shm")) - shm_before, timeout=5.0,
-                 what="/dev/shm as it was")
+        wait_for(lambda: not set(os.listdir("/dev/shm")) - shm_before and not tmp.exists(), timeout=5.0,
+                 what="/dev/shm as it was, and the tree's TMPDIR gone")
     finally:
         s.kill()
 
