@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -183,10 +182,11 @@ def test_kill_9_of_the_api_server_leaves_no_orphan(deployment):
 def test_an_engine_that_exits_0_is_restarted_under_on_failure(deployment):
     """vLLM's EngineCore stops its workers (exit 0) and ends cleanly on SIGTERM, and `vllm serve` follows
     it (its issue #48966): an exit vsup did not ask for restarts the tree, counted under the engine core."""
-    before = tree_pids(deployment.wait_serving(timeout=300))
+    serving = deployment.wait_serving(timeout=300)
+    before, counted = tree_pids(serving), serving["units"]["vllm"]["by_role"].get("engine-core", 0)
     os.kill(before["engine-core dp0"], signal.SIGTERM)
-    state = wait_for(lambda: (s := deployment.ps()) and s["units"]["vllm"]["by_role"].get("engine-core") and s,
-                     timeout=60, what="the engine core's exit counted")
+    state = wait_for(lambda: (s := deployment.ps()) and s["units"]["vllm"]["by_role"].get("engine-core", 0) > counted
+                     and s, timeout=60, what="the engine core's exit counted")
     assert "exit 0" in {p["last_exit"] for p in state["processes"]}
     deployment.wait_serving(timeout=300)
 

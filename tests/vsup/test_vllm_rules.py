@@ -56,16 +56,16 @@ def test_vllms_names_are_vsups_names():
 
 
 def test_vllms_lines_are_parsed_into_the_record():
-    line = parse_line("(EngineCore_DP0 pid=77) WARNING 12-01 08:49:16 [core.py:133] low memory", "stdout")
+    line = parse_line("(EngineCore_DP0 pid=77) WARNING 12-01 08:49:16 [core.py:133] low memory")
     assert (line.prefix_name, line.prefix_pid, line.level, line.source, line.message) == \
         ("EngineCore_DP0", 77, "warning", "core.py:133", "low memory")
-    colored = parse_line("\x1b[36m(Worker_TP1 pid=9)\x1b[0m INFO 12-01 08:49:16 [a.py:1] hi", "stdout")
+    colored = parse_line("\x1b[36m(Worker_TP1 pid=9)\x1b[0m INFO 12-01 08:49:16 [a.py:1] hi")
     assert (colored.prefix_name, colored.message) == ("Worker_TP1", "hi")
-    assert parse_line('INFO:     127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 200 OK', "stdout").level == "info"
-    assert parse_line("[W1201 09:00:05.660 utils.cpp:68] Warning: NUMA", "stderr").level == "warning"
-    assert parse_line("\rLoading shards: 100% Completed | 1/1 [00:00<00:00, 247.73it/s]", "stderr").level == "info"
-    assert parse_line("x.py:3: FutureWarning: old", "stderr").level == "warning"
-    assert parse_line("Segmentation fault", "stderr").level is None  # the stream decides
+    assert parse_line('INFO:     127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 200 OK').level == "info"
+    assert parse_line("[W1201 09:00:05.660 utils.cpp:68] Warning: NUMA").level == "warning"
+    assert parse_line("\rLoading shards: 100% Completed | 1/1 [00:00<00:00, 247.73it/s]").level == "info"
+    assert parse_line("x.py:3: FutureWarning: old").level == "warning"
+    assert parse_line("Segmentation fault").level is None  # the stream decides
 
 
 def flags(**kw):

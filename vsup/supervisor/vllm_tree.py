@@ -35,6 +35,7 @@ from vsup.vllm.progress import Progress, parse_metrics
 
 PR_SET_CHILD_SUBREAPER = 36
 UNIT = "vllm"
+ATTRIBUTION_DELAY_S = 0.3
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm", "hook")
 
 
@@ -80,6 +81,7 @@ class VllmSupervisor(Supervisor):
         self.progress: Progress | None = None
         self.started_tree_at = time.monotonic()
         self.cause: str | None = None  # why the current tree is being ended
+        self.first_death: tuple | None = None  # (process, when to look): a death not yet attributed
         self.shm_noted: set[str] = set()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -164,7 +166,7 @@ class VllmSupervisor(Supervisor):
 
     def tag(self, line: str, stream: str, pid: int) -> dict:
         """The record of one line from the connection of process `pid` (on the router's thread)."""
-        parsed = names.parse_line(line, stream)
+        parsed = names.parse_line(line)
         writer = parsed.prefix_pid if parsed.prefix_pid in self.tree or parsed.prefix_pid == self.root.pid else pid
         who = self._who(writer, parsed.prefix_name)
         level = parsed.level or (self.last_level.get((pid, stream)) if names.continues(line) else None) or \
@@ -207,14 +209,21 @@ class VllmSupervisor(Supervisor):
         while not self.stopping:
             self.tick(timeout=self.next_timer())
             if self.units[UNIT].state == "running" and self.state != "serving" and self.cause is None and \
+                    self.first_death is None and \
                     time.monotonic() - self.started_tree_at > self.options.startup_timeout:
                 self.end_tree(f"startup timeout: /health not 200 after {self.options.startup_timeout:g} s",
                               self.root)
         self.shutdown()
         return self.exit_code
 
+    def next_timer(self) -> float:
+        wait = super().next_timer()
+        return min(wait, max(0.0, self.first_death[1] - time.monotonic())) if self.first_death else wait
+
     def tick(self, timeout: float | None) -> None:
         super().tick(timeout)
+        if self.first_death is not None and time.monotonic() >= self.first_death[1] and not self.stopping:
+            self._attribute()
         while self.hellos:
             self._introduce(self.hellos.popleft())
         while self.probes:
@@ -262,8 +271,8 @@ class VllmSupervisor(Supervisor):
 
     def on_probe(self, asked: float, healthy: bool, metrics) -> None:
         """One probe's answers (asked at `asked`); a probe asked before this tree started says nothing of it."""
-        if self.units[UNIT].state != "running" or self.cause is not None or self.stopping or \
-                asked < self.started_tree_at:
+        if self.units[UNIT].state != "running" or self.cause is not None or self.first_death is not None or \
+                self.stopping or asked < self.started_tree_at:
             return
         now = asked
         for proc in self.tree.values():
@@ -306,19 +315,29 @@ class VllmSupervisor(Supervisor):
         if self.stopping:
             self.save()
             return
-        if self.cause is None and self.units[UNIT].state == "running":
-            cause = self._first_to_die(proc)
-            name = self._name_of(cause)
-            if isinstance(cause, Observed) and cause.role == names.HELPER:
-                self.log("helper exited", "warning", process=name, pid=cause.pid, exit=cause.last_exit)
-                self.save()
-                return
-            for dead in {id(proc): proc, id(cause): cause}.values():
-                if dead.last_exit is not None:
-                    self.history.setdefault(self._name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
-            how = f"exited ({cause.last_exit})" if cause.last_exit else f"stopped {self._name_of(proc)} " \
-                                                                         f"({proc.last_exit})"
-            self.end_tree(f"{name} {how}", cause)
+        if self.cause is None and self.first_death is None and self.units[UNIT].state == "running":
+            # the processes that follow it out (PR_SET_PDEATHSIG) die within milliseconds, but a killed
+            # parent can still be tearing its threads down when its child's exit is seen: look a moment later
+            self.first_death = (proc, time.monotonic() + ATTRIBUTION_DELAY_S)
+            return
+        self._sweep_if_gone()
+
+    def _attribute(self) -> None:
+        """The first death, a moment on: find the process whose end ended the tree, and end the rest."""
+        proc, _ = self.first_death
+        self.first_death = None
+        cause = self._first_to_die(proc)
+        name = self._name_of(cause)
+        if isinstance(cause, Observed) and cause.role == names.HELPER:
+            self.log("helper exited", "warning", process=name, pid=cause.pid, exit=cause.last_exit)
+            self.save()
+            return
+        for dead in {id(proc): proc, id(cause): cause}.values():
+            if dead.last_exit is not None:
+                self.history.setdefault(self._name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
+        how = f"exited ({cause.last_exit})" if cause.last_exit else f"stopped {self._name_of(proc)} " \
+                                                                     f"({proc.last_exit})"
+        self.end_tree(f"{name} {how}", cause)
         self._sweep_if_gone()
 
     def _name_of(self, proc) -> str:

@@ -76,7 +76,7 @@ class Line:
     prefix_pid: int | None = None
 
 
-def parse_line(line: str, stream: str) -> Line:
+def parse_line(line: str) -> Line:
     """`(EngineCore pid=7) INFO 12-01 08:49:16 [core.py:133] msg`, uvicorn's `INFO:     ...`, torch's
     `[W1201 ...]`, or anything else (a traceback line, a progress bar, native output)."""
     name = pid = None
@@ -98,7 +98,7 @@ def parse_line(line: str, stream: str) -> Line:
         return Line("info", line, None, name, pid)
     if "Warning:" in line or "warnings.warn" in line:
         return Line("warning", line, None, name, pid)
-    return Line(None, line, None, name, pid)  # the stream decides: stderr is an error, stdout info
+    return Line(None, line, None, name, pid)  # the caller's stream decides: stderr is an error, stdout info
 
 
 def continues(line: str) -> bool:

@@ -15,6 +15,8 @@ The names are vsup's (`worker dp0 pp0 tp1`); vLLM's titles go in the title colum
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vsup.topology import (API_SERVER, COORDINATOR, ENGINE_CORE, ROLES, WORKER, ParallelConfig, Plan, ProcessSpec,
                            process_name)
 from vsup.vllm.names import HELPER, TITLE_PREFIX
@@ -48,7 +50,7 @@ def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str,
     else:
         processes = [spec(HELPER, ROOT_TITLE, name=f"{HELPER} vllm-serve")]
         processes += [spec(API_SERVER, f"{TITLE_PREFIX}APIServer_{a}", a=a) for a in range(api_servers)]
-    processes[0] = ProcessSpec(**{**processes[0].__dict__, "argv": tuple(argv), "env": dict(env or {})})
+    processes[0] = replace(processes[0], argv=tuple(argv), env=dict(env or {}))
     for dp in range(dp_size):
         title = f"{TITLE_PREFIX}EngineCore" + (f"_DP{dp}" if dp_size > 1 else "")
         processes.append(spec(ENGINE_CORE, title, device_of(dp) if in_core else None, dp=dp))
