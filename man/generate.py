@@ -101,7 +101,7 @@ ENVIRONMENT = {
                  "{~/.local/state/vsup}.",
     "VSUP_CACHE_DIR": "Where the default model is converted once and kept: {$VSUP_CACHE_DIR/models}. "
                       "Default: {$XDG_CACHE_HOME/vsup}, else {~/.cache/vsup}.",
-    "VSUP_API_KEY": "`vsup serve` hands --api-key to the API servers in this variable.",
+    "VSUP_API_KEY": "`vsup serve` hands --api-key to the API servers (with --engine vllm, to its front) in this variable.",
     "VSUP_ENABLE_MULTIPROCESSING": "0 runs the engine core (and with TP = PP = 1 the worker) inside the "
                                    "API server process; the engine's processes read it too.",
     "VSUP_LOG_FORMAT": "Also read by every engine process; `vsup serve` sets it to json for its children, "
@@ -114,14 +114,16 @@ ENVIRONMENT = {
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
     "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "
                         "PYTHONPATH: the supervisor's socket that every process of the tree connects its stdout "
-                        "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have), VSUP_HOOK_SHM_LOG "
-                        "(where the hook lists the shared memory it saw created) and VSUP_HOOK_STATE_FILE (the "
-                        "state.json whose restart counts `vllm serve` adds to its /metrics) go with it.",
+                        "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have) and VSUP_HOOK_SHM_LOG "
+                        "(where the hook lists the shared memory it saw created) go with it.",
     "VSUP_HOOK_PARENT": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_SHM_LOG": "See VSUP_HOOK_SOCKET.",
-    "VSUP_HOOK_STATE_FILE": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_TEST_FD2": "Tests and benches only: {TITLE|TEXT[|COUNT]} makes the process of a vLLM tree "
                           "titled TITLE write TEXT to its fd 2 natively.",
+    "VSUP_HOOK_TEST_POISON": "Tests and benches only: {ID,ID,...} makes an engine core of a vLLM tree kill "
+                             "itself when it is given a prompt that holds those token IDs in a row.",
+    "VSUP_FRONT_UPSTREAM_KEY": "With --engine vllm, set by `vsup serve` for its front: the random API key of the "
+                               "vLLM behind it, which only the front knows.",
     "NOTIFY_SOCKET": "Set by systemd for a Type=notify service: `vsup serve` sends READY=1 once every "
                      "process is ready and STOPPING=1 when it begins to stop.",
     "XDG_STATE_HOME": "The base of the run dirs when VSUP_HOME is unset.",

@@ -16,6 +16,8 @@ ENGINE_CORE = "engine-core"
 WORKER = "worker"
 COORDINATOR = "coordinator"
 ROLES = (API_SERVER, ENGINE_CORE, WORKER, COORDINATOR)
+FRONT = "front"  # vsup's own HTTP front before a stock vLLM (DESIGN.md section 8)
+COUNTED = (FRONT, *ROLES)  # the roles of the count; others (vLLM's helpers) are counted apart
 
 # the module each role runs: the argv contract between vsup and engine
 ENTRY_POINTS = {
@@ -229,7 +231,7 @@ class Plan:
 
     config: ParallelConfig
     processes: tuple[ProcessSpec, ...]
-    roles: tuple[str, ...] = ROLES  # in formula order; a role beyond ROLES (vLLM's helpers) is counted apart
+    roles: tuple[str, ...] = ROLES  # in formula order; a role beyond COUNTED (vLLM's helpers) is counted apart
 
     @property
     def total(self) -> int:
@@ -243,9 +245,10 @@ class Plan:
         def terms(roles) -> list[str]:
             return [f"{n} {role}{'' if n == 1 else 's'}" for role in roles if (n := self.count(role))]
 
-        main = sum(self.count(role) for role in ROLES)
-        text = f"{' + '.join(terms(ROLES))} = {main} process{'' if main == 1 else 'es'}"
-        helpers = terms(r for r in self.roles if r not in ROLES)
+        counted = [r for r in self.roles if r in COUNTED]
+        main = sum(self.count(role) for role in counted)
+        text = f"{' + '.join(terms(counted))} = {main} process{'' if main == 1 else 'es'}"
+        helpers = terms(r for r in self.roles if r not in COUNTED)
         return f"{text}, plus {' + '.join(helpers)}: {self.total} in all" if helpers else text
 
     def nodes(self) -> list[int]:

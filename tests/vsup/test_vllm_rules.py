@@ -22,23 +22,24 @@ def names(**kw):
 
 
 def test_the_tree_follows_vllms_rules():
-    assert names() == [("api-server a0", "vllm serve"), ("engine-core dp0", "VLLM::EngineCore"),
+    assert names() == [("front", "vsup::front"), ("api-server a0", "vllm serve"), ("engine-core dp0", "VLLM::EngineCore"),
                        ("worker dp0 pp0 tp0", "VLLM::Worker"),
                        ("helper resource-tracker", "multiprocessing.resource_tracker")]
     # on CUDA at TP x PP = 1 the uni executor runs the model inside the engine core
     cuda = vllm_plan(ParallelConfig(device="cuda"))
-    assert [p.name for p in cuda.processes] == ["api-server a0", "engine-core dp0", "helper resource-tracker"]
-    assert cuda.processes[1].device == "cuda:0"
+    assert [p.name for p in cuda.processes] == ["front", "api-server a0", "engine-core dp0",
+                                                "helper resource-tracker"]
+    assert cuda.processes[2].device == "cuda:0"
     dp = names(data_parallel_size=2, tensor_parallel_size=2)
-    assert dp[:3] == [("helper vllm-serve", "vllm serve"), ("api-server a0", "VLLM::APIServer_0"),
+    assert dp[:4] == [("front", "vsup::front"), ("helper vllm-serve", "vllm serve"), ("api-server a0", "VLLM::APIServer_0"),
                       ("api-server a1", "VLLM::APIServer_1")]
     assert ("engine-core dp1", "VLLM::EngineCore_DP1") in dp
     assert ("worker dp1 pp0 tp1", "VLLM::Worker_DP1_TP1") in dp
     assert ("coordinator", "VLLM::DPCoordinator") in dp
     plan = vllm_plan(ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
-    assert plan.formula == ("2 api-servers + 2 engine-cores + 4 workers + 1 coordinator = 9 processes, "
-                            "plus 2 helpers: 11 in all")
-    assert names(api_server_count=1, data_parallel_size=2)[0] == ("api-server a0", "vllm serve")
+    assert plan.formula == ("1 front + 2 api-servers + 2 engine-cores + 4 workers + 1 coordinator = 10 processes, "
+                            "plus 2 helpers: 12 in all")
+    assert names(api_server_count=1, data_parallel_size=2)[1] == ("api-server a0", "vllm serve")
     assert ("worker dp0 pp1 tp0", "VLLM::Worker_PP1") in names(pipeline_parallel_size=2)
 
 
@@ -118,9 +119,10 @@ def test_plan_engine_vllm_on_the_command_line():
     out = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--device", "cpu", "-tp", "2",
                           "--json"], capture_output=True, text=True, check=True).stdout
     plan = json.loads(out)
-    assert [p["name"] for p in plan["processes"]] == ["api-server a0", "engine-core dp0", "worker dp0 pp0 tp0",
-                                                      "worker dp0 pp0 tp1", "helper resource-tracker"]
-    assert plan["processes"][3]["title"] == "VLLM::Worker_TP1"
+    assert [p["name"] for p in plan["processes"]] == ["front", "api-server a0", "engine-core dp0",
+                                                      "worker dp0 pp0 tp0", "worker dp0 pp0 tp1",
+                                                      "helper resource-tracker"]
+    assert plan["processes"][4]["title"] == "VLLM::Worker_TP1"
     bad = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--no-multiprocessing"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not supported with --engine vllm" in bad.stderr

@@ -174,6 +174,18 @@ HangTimeout = Annotated[float, _option(
     "--hang-timeout", panel=SUPERVISION,
     help="With --engine vllm: restart the tree when requests are waiting and no token has come out for this "
          "many seconds (from vLLM's /metrics: vLLM can hang with /health at 200).")]
+ResumeTimeout = Annotated[float, _option(
+    "--resume-timeout", panel=SUPERVISION,
+    help="With --engine vllm: how long the front holds a request whose vLLM tree died, waiting for the new one "
+         "to come up, before it answers 503.")]
+MaxPending = Annotated[int, _option(
+    "--max-pending", panel=SUPERVISION,
+    help="With --engine vllm: the most requests the front holds while vLLM is down; past it, 503 with "
+         "Retry-After.")]
+MaxResumes = Annotated[int, _option(
+    "--max-resumes", panel=SUPERVISION,
+    help="With --engine vllm: a request the engine died under this many times in a row, with no token coming "
+         "out, is not resumed again (a poison request) but fails with a clear error.")]
 LogFormatOpt = Annotated[LogFormat, _option(
     "--log-format", case_sensitive=False,
     help="Console output: auto (coloured text on a TTY, plain text otherwise), text or json.")]
@@ -197,7 +209,8 @@ Config = Annotated[Optional[str], _option(
 
 Role = Annotated[Optional[str], _option(
     "--role", show_default=False,
-    help="api-server, engine-core, worker, coordinator (logs: or supervisor; with --engine vllm also helper).")]
+    help="api-server, engine-core, worker, coordinator; with --engine vllm also front (logs: also supervisor, "
+         "and helper with --engine vllm).")]
 DpRank = Annotated[Optional[int], _option("--dp", show_default=False, help="Only this data-parallel rank.")]
 PpRank = Annotated[Optional[int], _option("--pp", show_default=False, help="Only this pipeline stage.")]
 TpRank = Annotated[Optional[int], _option("--tp", show_default=False, help="Only this tensor-parallel rank.")]

@@ -54,6 +54,9 @@ def serve(
     startup_timeout: o.StartupTimeout = 600.0,
     health_timeout: o.HealthTimeout = 30.0,
     hang_timeout: o.HangTimeout = 120.0,
+    resume_timeout: o.ResumeTimeout = 120.0,
+    max_pending: o.MaxPending = 256,
+    max_resumes: o.MaxResumes = 2,
     log_format: o.LogFormatOpt = o.LogFormat.auto,
 ) -> None:
     """Launch and supervise the whole process tree that `vsup plan` shows, then serve the OpenAI API.
@@ -65,7 +68,9 @@ def serve(
     SmolLM2-135M-Instruct, converted once into the user's cache.
 
     With --engine vllm it starts a stock `vllm serve` (flags after `--` go to
-    it unchanged) and supervises the tree vLLM builds as one unit.
+    it unchanged) on a private port and supervises the tree vLLM builds as
+    one unit; vsup's front holds --host/--port and resumes the requests of a
+    tree that died on the next one.
     """
     from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
     from vsup.rundir import RunDir
@@ -98,18 +103,21 @@ def serve(
     _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization)
     if engine == o.EngineKind.vllm:
         from vsup.vllm.args import ServeFlags, check_supported
-        from vsup.vllm.launch import probe_url, vllm_deployment
+        from vsup.vllm.launch import FrontFlags, vllm_deployment
 
+        if max_pending < 0 or max_resumes < 0 or resume_timeout < 0:
+            raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
         check_supported(config, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep})
         flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                            host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                            drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
                            max_model_len=max_model_len,
                            kv_cache_bytes=memory.stages[0].kv_cache_bytes if kv_cache_memory else None)
-        the_plan = vllm_deployment(config, flags, vllm_bin, extra, api_key)
+        the_plan, upstream = vllm_deployment(config, flags, vllm_bin, extra, api_key,
+                                             FrontFlags(resume_timeout, max_pending, max_resumes))
         run_dir.create()
         run_dir.lock()
-        vllm = {"probe_url": probe_url(host, port), "health_timeout": health_timeout, "hang_timeout": hang_timeout}
+        vllm = {"probe_url": upstream, "health_timeout": health_timeout, "hang_timeout": hang_timeout}
         code, message = supervise(the_plan, run_dir, model_dir, f"http://{host}:{port}", policy, log_format.value,
                                   {}, drain_timeout, stop_timeout, startup_timeout, vllm=vllm)
         if code:

@@ -11,9 +11,6 @@ from vsup.errors import UsageError
 
 app = typer.Typer()
 
-ROLES = ("api-server", "engine-core", "worker", "coordinator")
-
-
 @app.command()
 def stop(name: o.Name = "default", timeout: o.StopWait = 120.0) -> None:
     """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
@@ -50,9 +47,10 @@ def restart(role: o.Role = None, dp: o.DpRank = None, name: o.Name = "default") 
     """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group)."""
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
+    from vsup.topology import COUNTED
 
-    if role not in ROLES:  # None too: --role is required
-        raise UsageError(f"--role must be one of {', '.join(ROLES)} (got {role!r})")
+    if role not in COUNTED:  # None too: --role is required
+        raise UsageError(f"--role must be one of {', '.join(COUNTED)} (got {role!r})")
     run_dir = RunDir(name).require()
     try:
         answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp})

@@ -8,11 +8,17 @@ lose one part and go on, so the restart unit is the whole tree: the first death
 left, sweeps what it left in /dev/shm, and starts the tree again with vsup's
 backoff and start limit. The supervisor is a child subreaper, so a process of
 the tree whose parent died is re-parented to it, never to init.
+
+Before the tree, vsup's front (vsup/front) holds the public port; the
+supervisor tells it on its stdin when a tree goes down and when the next is
+up, so that it can hold and resume the requests of the dead one. The front
+is a unit of its own: it restarts alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import selectors
 import signal
@@ -28,9 +34,9 @@ from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.control import listen_unix
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
-from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, Plan, process_name
+from vsup.topology import API_SERVER, ENGINE_CORE, FRONT, WORKER, Plan, process_name
 from vsup.vllm import names
-from vsup.vllm.plan import RESOURCE_TRACKER
+from vsup.vllm.plan import RESOURCE_TRACKER, tree_root
 from vsup.vllm.progress import Progress, parse_metrics
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -68,10 +74,13 @@ class VllmSupervisor(Supervisor):
     def __init__(self, plan: Plan, run_dir, options: Options, router, vllm: VllmOptions):
         super().__init__(plan, run_dir, options, router)
         self.vllm = vllm
-        root = plan.processes[0]
-        self.children = [Child(root, UNIT)]
-        self.root = self.children[0]
-        self.units = {UNIT: Unit(UNIT, self.children, options.restart_policy)}
+        self.root = Child(tree_root(plan), UNIT)
+        self.front = Child(next(p for p in plan.processes if p.role == FRONT), FRONT)
+        self.children = [self.front, self.root]
+        self.units = {UNIT: Unit(UNIT, [self.root], options.restart_policy),
+                      FRONT: Unit(FRONT, [self.front], options.restart_policy)}
+        self.tree_gen = 0  # one more for every tree started: the front resumes on a newer one
+        self.front_w: int | None = None
         self.tree: dict[int, Observed] = {}
         self.history: dict[str, dict] = {p.name: {"restarts": 0, "last_exit": None} for p in plan.processes}
         self.by_role: dict[str, int] = {}
@@ -135,18 +144,20 @@ class VllmSupervisor(Supervisor):
         role = names.role_of_title(title.split(" "))
         if role is not None and (role.settled or proc.name is None):
             self._name(proc, role)
-        elif proc.name is None and (guess := self._by_parent(proc)) is not None:
+        elif proc.name is None and names.started_by_multiprocessing(title) and \
+                (guess := self._by_parent(proc)) is not None:
             self._name(proc, guess)
 
     def _by_parent(self, proc: Observed) -> names.Role | None:
         """Before vLLM titles a spawned process, its parent may already say what it is: a child of an
         engine core is one of its workers; the one child of `vllm serve` that is not a helper is the
-        engine core when the plan has no other."""
+        engine core when the plan has no other. (A process that vLLM runs otherwise, such as its
+        model-registry probe on a first start, is never guessed.)"""
         parent = self.tree.get(proc.ppid)
         if parent is not None and parent.role == ENGINE_CORE:
             return names.Role(WORKER, settled=False)
-        if proc.ppid == self.root.pid and [p.role for p in self.plan.processes[1:]
-                                           if p.role not in (WORKER, names.HELPER)] == [ENGINE_CORE]:
+        if proc.ppid == self.root.pid and [p.role for p in self.plan.processes if p.role not in (
+                FRONT, WORKER, names.HELPER) and p.name != self.root.spec.name] == [ENGINE_CORE]:
             return names.Role(ENGINE_CORE, dp=0)
         return None
 
@@ -180,7 +191,7 @@ class VllmSupervisor(Supervisor):
         return record
 
     def _who(self, pid: int, prefix_name: str | None) -> dict:
-        root = self.plan.processes[0]
+        root = self.root.spec
         if pid == self.root.pid:
             name, role, ranks = root.name, root.role, {"a": root.a}
         else:
@@ -205,7 +216,8 @@ class VllmSupervisor(Supervisor):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _: self.request_stop(f"{signal.Signals(signum).name} received"))
         signal.set_wakeup_fd(self.wake_w)
-        self.start(self.children)
+        self.start_front()
+        self.start([self.root])
         while not self.stopping:
             self.tick(timeout=self.next_timer())
             if self.units[UNIT].state == "running" and self.state != "serving" and self.cause is None and \
@@ -235,7 +247,6 @@ class VllmSupervisor(Supervisor):
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
                "VSUP_HOOK_SHM_LOG": str(run_dir / shm_sweep.LIST), "TMPDIR": str(tmp),
-               **({"VSUP_HOOK_STATE_FILE": str(self.run_dir.state_file)} if self.root.spec.role == API_SERVER else {}),
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
         out, err = self.root.spawn(env)
@@ -246,7 +257,57 @@ class VllmSupervisor(Supervisor):
         self.selector.register(self.root.pidfd, selectors.EVENT_READ, self.root)
         self.started_tree_at = time.monotonic()
         self.progress, self.cause, self.tree, self.state = None, None, {}, "starting"
+        self.tree_gen += 1
         self.log("started", process=self.root.spec.name, pid=self.root.pid, argv=" ".join(self.root.spec.argv))
+        self.tell_front()
+        self.save()
+
+    # the front
+
+    def start_front(self) -> None:
+        r, w = os.pipe()
+        try:
+            out, err = self.front.spawn({**os.environ, **(self.options.env or {}), "PYTHONUNBUFFERED": "1"}, stdin=r)
+        finally:
+            os.close(r)
+        os.set_blocking(w, False)
+        self.front_w = w
+        tag = {"name": FRONT, "role": FRONT, "a": None, "dp": None, "pp": None, "tp": None, "pid": self.front.pid}
+        self.router.add(out, "stdout", tag)
+        self.router.add(err, "stderr", tag)
+        self.selector.register(self.front.pidfd, selectors.EVENT_READ, self.front)
+        self.log("started", process=FRONT, pid=self.front.pid)
+        self.tell_front()
+
+    def tell_front(self) -> None:
+        """Say to the front what the tree is now: its gen, whether it serves, whether vsup is stopping."""
+        if self.front_w is None:
+            return
+        up = self.state == "serving" and self.cause is None and self.first_death is None
+        line = json.dumps({"gen": self.tree_gen, "up": up, "stopping": self.stopping, "restarts": self.by_role})
+        try:
+            os.write(self.front_w, line.encode() + b"\n")
+        except (BlockingIOError, BrokenPipeError):
+            pass  # (a front that does not read is dead, and restarts)
+
+    def _front_exited(self) -> None:
+        self.front.reap()
+        os.close(self.front_w)
+        self.front_w = None
+        if self.stopping:
+            self.front.state = "stopped"
+            return
+        unit = self.units[FRONT]
+        self.log("process exited", "error", process=FRONT, pid=self.front.pid, exit=self.front.last_exit)
+        delay = unit.restart.next_delay(time.monotonic(), unit.started_at) \
+            if unit.restart.wants_restart(1, unit.requested) else None
+        unit.requested = False
+        if delay is None:
+            self.fail(f"{FRONT} {self.front.last_exit}: nothing holds --port any more; "
+                      f"{self._last_words(FRONT).removeprefix('; ') or 'no error lines'}")
+            return
+        self.front.state, unit.state, unit.restart_at = "backoff", "backoff", time.monotonic() + delay
+        self.log("restarting", process=FRONT, delay_s=delay)
         self.save()
 
     # health and progress
@@ -286,6 +347,7 @@ class VllmSupervisor(Supervisor):
                 self.log(f"serving {self.options.model} on {self.options.url}")
                 notify.sd_notify("READY=1")
                 self._remember_shm()
+                self.tell_front()
                 self.save()
             return
         self._remember_shm()
@@ -305,6 +367,9 @@ class VllmSupervisor(Supervisor):
 
     def on_exit(self, proc) -> None:
         self.selector.unregister(proc.pidfd)
+        if proc is self.front:
+            self._front_exited()
+            return
         if isinstance(proc, Child):
             proc.reap()
         else:
@@ -315,10 +380,14 @@ class VllmSupervisor(Supervisor):
         if self.stopping:
             self.save()
             return
+        if isinstance(proc, Observed) and proc.role is None:  # a subprocess vLLM ran and waited for
+            self.save()
+            return
         if self.cause is None and self.first_death is None and self.units[UNIT].state == "running":
             # the processes that follow it out (PR_SET_PDEATHSIG) die within milliseconds, but a killed
             # parent can still be tearing its threads down when its child's exit is seen: look a moment later
             self.first_death = (proc, time.monotonic() + ATTRIBUTION_DELAY_S)
+            self.tell_front()
             return
         self._sweep_if_gone()
 
@@ -366,7 +435,7 @@ class VllmSupervisor(Supervisor):
         import psutil
 
         for child in psutil.Process().children():
-            if child.pid not in (self.root.pid, self.janitor.pid):
+            if child.pid not in (self.root.pid, self.front.pid, self.janitor.pid):
                 try:
                     if child.status() == psutil.STATUS_ZOMBIE:
                         _, status = os.waitpid(child.pid, os.WNOHANG)
@@ -402,6 +471,7 @@ class VllmSupervisor(Supervisor):
         unit.state, unit.restart_at = "backoff", time.monotonic() + delay
         self.state = "restarting"
         self.log("restarting", process=UNIT, delay_s=delay)
+        self.tell_front()
         self.save()
 
     def _last_words(self, name: str | None) -> str:
@@ -434,15 +504,27 @@ class VllmSupervisor(Supervisor):
         self.save()
 
     def restart(self, unit: Unit) -> None:
+        if unit.name == FRONT:
+            unit.state, unit.started_at = "running", time.monotonic()
+            self.front.restarts += 1
+            self.start_front()
+            return
         if self._tree_alive():
             unit.restart_at = time.monotonic() + 0.1  # the killed processes have not exited yet
             return
         unit.state, unit.started_at = "running", time.monotonic()
         self.root.restarts += 1
-        self.start(self.children)
+        self.start([self.root])
 
     def request_restart(self, role: str, dp: int | None) -> list[str]:
-        """`vsup restart --role R`: the whole tree, counted under R, the way a crash would."""
+        """`vsup restart --role R`: the whole tree, counted under R, the way a crash would (the front:
+        itself alone, after it drained)."""
+        if role == FRONT:
+            if self.units[FRONT].state != "running" or not self.front.alive:
+                return []
+            self.units[FRONT].requested = True
+            self.front.signal(signal.SIGTERM)
+            return [FRONT]
         unit = self.units[UNIT]
         victims = [p for p in self._current() if p["role"] == role and (dp is None or p.get("dp") == dp) and p["pid"]]
         if not victims or unit.state != "running" or self.cause is not None:
@@ -456,13 +538,19 @@ class VllmSupervisor(Supervisor):
     # stopping
 
     def shutdown(self) -> None:
-        """SIGTERM to vllm serve (it drains through --shutdown-timeout), then SIGKILL what is left."""
+        """SIGTERM to the front (it stops taking requests and finishes those it has) and to vllm serve (it
+        drains through --shutdown-timeout), then SIGKILL what is left."""
         notify.sd_notify("STOPPING=1")
+        self.tell_front()
         self.save()
+        self.front.signal(signal.SIGTERM)
         self.root.signal(signal.SIGTERM)
         self._wait_tree(self.options.drain_timeout + self.options.stop_timeout, root_only=True)
         self._wait_tree(self.options.stop_timeout)
-        left = [self.root.spec.name] if self.root.alive else []
+        deadline = time.monotonic() + self.options.stop_timeout
+        while self.front.alive and time.monotonic() < deadline:
+            self.tick(timeout=0.1)
+        left = [name for name, child in ((FRONT, self.front), (self.root.spec.name, self.root)) if child.alive]
         left += [p.name or f"pid {p.pid}" for p in self.tree.values() if p.alive]
         if left:
             self.log("killed with SIGKILL after --stop-timeout", "warning", processes=left)
@@ -470,7 +558,8 @@ class VllmSupervisor(Supervisor):
                 self.exit_code = 1
                 self.message = f"stop needed SIGKILL for {', '.join(left)}"
         self._kill_tree()
-        while self._tree_alive():
+        self.front.signal(signal.SIGKILL)
+        while self._tree_alive() or self.front.alive:
             self.tick(timeout=0.1)
         self.probe_stop.set()
         self.cleanup()
@@ -504,8 +593,13 @@ class VllmSupervisor(Supervisor):
                 by_name[proc.name] = proc
             else:
                 extra.append(proc)
-        rows = []
+        front = self.front.to_json()
+        if self.front.alive:
+            front["state"] = "stopping" if self.stopping else "ready"
+        rows = [front]
         for spec in self.plan.processes:
+            if spec.role == FRONT:
+                continue
             live = by_name.get(spec.name)
             rows.append(self._row(spec.name, spec.role, spec.device, spec.title, live,
                                   {"a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp}))
@@ -532,7 +626,8 @@ class VllmSupervisor(Supervisor):
         state = super().snapshot()
         state["supervisor"]["engine"] = "vllm"
         state["units"] = {UNIT: {"state": self.units[UNIT].state, "restarts": self.units[UNIT].restart.total,
-                                 "by_role": dict(self.by_role)}}
+                                 "by_role": dict(self.by_role)},
+                          FRONT: {"state": self.units[FRONT].state, "restarts": self.units[FRONT].restart.total}}
         state["processes"] = self._current()
         state["remote"] = []
         return state

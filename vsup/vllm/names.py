@@ -104,3 +104,9 @@ def parse_line(line: str) -> Line:
 def continues(line: str) -> bool:
     """An indented line goes on the line before it: a traceback's frames, a warning's source line."""
     return line[:1] in (" ", "\t")
+
+
+def started_by_multiprocessing(cmdline: str) -> bool:
+    """Whether a process not yet titled is one that multiprocessing started (spawn or forkserver: vLLM's
+    engine cores and workers), not a command vLLM runs."""
+    return "multiprocessing" in cmdline

@@ -10,6 +10,9 @@
 - `VLLM::DPCoordinator` when DP > 1.
 - Helpers, counted apart: multiprocessing's resource tracker (one for the tree).
 
+Before them all, vsup's own `front` holds the public port (vsup/front), with vLLM
+on a private one behind it.
+
 The names are vsup's (`worker dp0 pp0 tp1`); vLLM's titles go in the title column.
 """
 
@@ -17,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vsup.topology import (API_SERVER, COORDINATOR, ENGINE_CORE, ROLES, WORKER, ParallelConfig, Plan, ProcessSpec,
-                           process_name)
+from vsup.topology import (API_SERVER, COORDINATOR, ENGINE_CORE, FRONT, ROLES, WORKER, ParallelConfig, Plan,
+                           ProcessSpec, process_name, process_title)
 from vsup.vllm.names import HELPER, TITLE_PREFIX
 
 ROOT_TITLE = "vllm serve"
@@ -32,8 +35,10 @@ def worker_title(config: ParallelConfig, dp: int, pp: int, tp: int) -> str:
     return f"{TITLE_PREFIX}Worker{suffix}"
 
 
-def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Plan:
-    """Every process of the tree in start order; the first is the one vsup starts (`argv`, `env`)."""
+def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              front: tuple[tuple[str, ...], dict[str, str]] = ((), {})) -> Plan:
+    """The front (its argv and env), then every process of the tree in start order: the first is the one
+    vsup starts (`argv`, `env`), and vLLM starts the rest."""
     dp_size, workers = config.data_parallel_size, config.workers_per_engine
     api_servers = config.head_api_server_count
     in_core = config.device == "cuda" and workers == 1  # the uni executor: no worker process
@@ -51,6 +56,8 @@ def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str,
         processes = [spec(HELPER, ROOT_TITLE, name=f"{HELPER} vllm-serve")]
         processes += [spec(API_SERVER, f"{TITLE_PREFIX}APIServer_{a}", a=a) for a in range(api_servers)]
     processes[0] = replace(processes[0], argv=tuple(argv), env=dict(env or {}))
+    processes.insert(0, ProcessSpec(role=FRONT, name=FRONT, title=process_title(FRONT), node=0, device=None,
+                                    argv=tuple(front[0]), env=dict(front[1])))
     for dp in range(dp_size):
         title = f"{TITLE_PREFIX}EngineCore" + (f"_DP{dp}" if dp_size > 1 else "")
         processes.append(spec(ENGINE_CORE, title, device_of(dp) if in_core else None, dp=dp))
@@ -61,4 +68,9 @@ def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str,
     if dp_size > 1:
         processes.append(spec(COORDINATOR, f"{TITLE_PREFIX}DPCoordinator"))
     processes.append(spec(HELPER, "multiprocessing.resource_tracker", name=f"{HELPER} {RESOURCE_TRACKER}"))
-    return Plan(config, tuple(processes), roles=(*ROLES, HELPER))
+    return Plan(config, tuple(processes), roles=(FRONT, *ROLES, HELPER))
+
+
+def tree_root(plan: Plan) -> ProcessSpec:
+    """The process vsup starts of the vLLM tree (`vllm serve`): the first after the front."""
+    return next(p for p in plan.processes if p.role != FRONT)

@@ -15,12 +15,12 @@ nothing unless VSUP_HOOK_SOCKET is set. In each process it:
 - appends each shared-memory segment and semaphore that multiprocessing
   registers to VSUP_HOOK_SHM_LOG, so that what a killed tree leaves in /dev/shm
   can be found and removed;
-- in `vllm serve` itself, when it is the one API server, adds vsup's restart
-  counters to vLLM's own /metrics (no second scrape target).
 
 The standard library only: this runs inside vLLM's interpreter, not vsup's.
-VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT] (tests and benches only) makes the
-process titled TITLE write TEXT to fd 2 natively, from a thread.
+For tests and benches only: VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT] makes the
+process titled TITLE write TEXT to fd 2 natively, from a thread; and
+VSUP_HOOK_TEST_POISON=ID,ID,... makes an engine core kill itself (SIGKILL)
+when it is given a request whose prompt holds those token IDs in a row.
 """
 
 import ctypes
@@ -121,43 +121,45 @@ def _test_fd2() -> None:
     threading.Thread(target=write_once_titled, name="vsup-hook-test", daemon=True).start()
 
 
-def _export_restarts() -> None:
-    """On vLLM's own /metrics (its one API server, VSUP_HOOK_STATE_FILE set): `vsup_restarts_total{role}`,
-    the trees vsup restarted by the role whose process died, read from state.json at scrape time."""
-    state = os.environ.get("VSUP_HOOK_STATE_FILE")
-    if not state:
-        return
-    try:
-        from prometheus_client.core import REGISTRY, CounterMetricFamily
-    except ImportError:
+def _test_poison() -> None:
+    marker = [int(x) for x in os.environ.get("VSUP_HOOK_TEST_POISON", "").split(",") if x.strip()]
+    if not marker:
         return
 
-    class Restarts:
-        def collect(self):
-            try:
-                with open(state) as f:
-                    by_role = json.load(f)["units"]["vllm"].get("by_role") or {}
-            except (OSError, ValueError, KeyError, TypeError):
-                by_role = {}
-            family = CounterMetricFamily("vsup_restarts", "vLLM trees vsup restarted, by the role whose process "
-                                         "died.", labels=["role"])
-            for role in ("api-server", "engine-core", "worker", "coordinator", "helper"):
-                family.add_metric([role], int(by_role.get(role, 0)))
-            yield family
+    def holds(prompt) -> bool:
+        prompt = list(prompt or ())
+        return any(prompt[i:i + len(marker)] == marker for i in range(len(prompt) - len(marker) + 1))
 
-    REGISTRY.register(Restarts())
+    def patch_when_imported():
+        import time
+
+        while True:
+            core = sys.modules.get("vllm.v1.engine.core")
+            engine_core = getattr(core, "EngineCore", None)
+            if engine_core is not None and hasattr(engine_core, "add_request"):
+                original = engine_core.add_request
+
+                def add_request(self, request, *args, **kwargs):
+                    if holds(getattr(request, "prompt_token_ids", None)):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return original(self, request, *args, **kwargs)
+
+                engine_core.add_request = add_request
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=patch_when_imported, name="vsup-hook-poison", daemon=True).start()
 
 
 def _after_fork() -> None:
     _install(int(os.environ.get("VSUP_HOOK_PARENT", "0")))
     _test_fd2()
+    _test_poison()
 
 
 if os.environ.get("VSUP_HOOK_SOCKET"):
-    if os.environ.get("VSUP_HOOK_PARENT") == os.environ.get("VSUP_SUPERVISOR_PID"):  # `vllm serve` itself
-        _export_restarts()
-    os.environ.pop("VSUP_HOOK_STATE_FILE", None)  # its children have no /metrics of their own
     _install(int(os.environ.get("VSUP_HOOK_PARENT", "0")))
     _record_shared_memory()
     _test_fd2()
+    _test_poison()
     os.register_at_fork(after_in_child=_after_fork)

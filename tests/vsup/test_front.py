@@ -1,0 +1,315 @@
+"""vsup's front (`python -m vsup.front`, a real process on a real port) before a stand-in vLLM.
+
+The stand-in speaks vLLM's streaming protocol with `return_token_ids`, and its "model" is
+deterministic: the next token depends only on the IDs before it, so a generation resumed from
+its IDs must go on with exactly the tokens of a run without the fault. It can die like a vLLM
+tree: every stream it runs is cut at once. The test plays the supervisor on the front's stdin.
+The same promises are shown on a real vLLM in tests/e2e/test_vllm.py; these cover the front's
+rules fast, in every `make test`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tests.polling import wait_for
+
+KEY = "front-test-key"
+UPSTREAM_KEY = "private-upstream-key"
+POISON = "POISON"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def next_token(ids: list[int]) -> int:
+    return (sum(ids) * 31 + len(ids)) % 997 + 1
+
+
+class StandIn:
+    """A stand-in vLLM tree: /v1/completions and /v1/chat/completions, streamed, with token IDs."""
+
+    def __init__(self):
+        self.gen = 1
+        self.bodies: list[dict] = []
+        self.die_after: int | None = None  # die when any stream has sent this many tokens
+        self.disconnects = 0
+        self.port = free_port()
+        self.tokens_per_s = 200.0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/health":  # (vLLM asks no key for it)
+            await self._json(send, 200, {})
+            return
+        if dict(scope["headers"]).get(b"authorization") != f"Bearer {UPSTREAM_KEY}".encode():
+            await self._json(send, 401, {"error": {"message": "wrong key", "code": 401}})
+            return
+        request = json.loads(body)
+        self.bodies.append(request)
+        if request.get("max_tokens") == 999:
+            await self._json(send, 400, {"error": {"message": "max_tokens too big", "type": "BadRequestError",
+                                                   "param": "max_tokens", "code": 400}})
+            return
+        left = asyncio.Event()
+
+        async def watch():  # the client (the front) closing its connection
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._stream(scope, request, send, left)
+        finally:
+            watcher.cancel()
+
+    async def _stream(self, scope, request, send, left):
+        chat = scope["path"] == "/v1/chat/completions"
+        prompt = request["prompt"] if not chat else "".join(m["content"] for m in request["messages"])
+        ids = list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        gen, n = self.gen, request.get("max_tokens") or 8
+        head = {"id": f"cmpl-{len(self.bodies)}", "created": 1, "model": "tiny"}
+        first = {**head, "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": None,
+                                      "prompt_token_ids": ids}]}
+        if chat:
+            first = {**head, "prompt_token_ids": ids,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}
+        await self._event(send, first)
+        for i in range(n):
+            if POISON in str(prompt) or (POISON_IDS and _holds(ids, POISON_IDS)):
+                self.die()
+            if self.gen != gen:
+                raise ConnectionResetError("the tree died")  # uvicorn drops the connection mid-stream
+            await asyncio.sleep(1 / self.tokens_per_s)
+            if left.is_set():
+                self.disconnects += 1
+                return
+            token = next_token(ids)
+            ids.append(token)
+            text = f" w{token}"
+            finish = "length" if i == n - 1 else None
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            await self._event(send, {**head, "choices": [{**choice, "token_ids": [token], "finish_reason": finish}]})
+            if self.die_after is not None and i + 1 >= self.die_after:
+                self.die_after = None
+                self.die()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    def die(self):
+        self.gen += 1
+        self.on_death(self.gen)
+
+    async def _event(self, send, chunk):
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True})
+
+    async def _json(self, send, status, body):
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+POISON_IDS = [ord(c) for c in POISON]
+
+
+def _holds(ids, marker):
+    return any(ids[i:i + len(marker)] == marker for i in range(len(ids) - len(marker) + 1))
+
+
+class Front:
+    """The front process, with the test as its supervisor."""
+
+    def __init__(self, upstream_port: int, *flags: str):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vsup.front", "--port", str(self.port), "--upstream",
+             f"http://127.0.0.1:{upstream_port}", *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "VSUP_API_KEY": KEY, "VSUP_FRONT_UPSTREAM_KEY": UPSTREAM_KEY})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            wait_for(lambda: self._listening(), timeout=30, what="the front listening")
+        except TimeoutError:
+            self.close()
+            raise
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def _listening(self) -> bool:
+        try:
+            httpx.get(f"{self.url}/health", timeout=1)
+            return True
+        except httpx.TransportError:
+            return False
+
+    def tell(self, gen: int, up: bool, stopping: bool = False, restarts: dict | None = None):
+        self.proc.stdin.write(json.dumps({"gen": gen, "up": up, "stopping": stopping,
+                                          "restarts": restarts or {}}) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def stand_in():
+    app = StandIn()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=app.port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=30, what="the stand-in listening")
+    yield app
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def front(stand_in):
+    f = Front(stand_in.port, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20")
+
+    def restarted(gen):  # the supervisor: the tree is down, and a moment later the next one is up
+        f.tell(gen - 1, False)
+        threading.Timer(0.3, f.tell, args=(gen, True)).start()
+    stand_in.on_death = restarted
+    try:
+        f.tell(1, True)
+        wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, timeout=10, what="the front sees the tree")
+        yield f
+    finally:
+        f.close()
+
+
+def fault_free_text(prompt: str, n: int) -> str:
+    ids = [ord(c) for c in prompt]
+    out = []
+    for _ in range(n):
+        ids.append(next_token(ids))
+        out.append(f" w{ids[-1]}")
+    return "".join(out)
+
+
+def test_a_stream_cut_by_a_dying_tree_goes_on_with_the_same_tokens(front, stand_in):
+    stand_in.die_after = 5
+    chunks = list(front.client.completions.create(model="tiny", prompt="hello", max_tokens=12, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == fault_free_text("hello", 12)  # no token lost, none repeated
+    assert len(stand_in.bodies) == 2 and stand_in.gen == 2
+    resumed = stand_in.bodies[1]
+    assert resumed["prompt"][:5] == [ord(c) for c in "hello"] and len(resumed["prompt"]) == 5 + 5
+    assert resumed["max_tokens"] == 7 and resumed["return_token_ids"] is True
+    assert {c.id for c in chunks} == {chunks[0].id}  # one stream to the client
+    assert not any(getattr(c.choices[0], "token_ids", None) for c in chunks if c.choices)  # not asked for
+
+
+def test_a_chat_that_did_not_stream_gets_one_whole_response_after_a_death(front, stand_in):
+    stand_in.die_after = 3
+    reply = front.client.chat.completions.create(model="tiny", max_tokens=10,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == fault_free_text("hi", 10)
+    assert reply.usage.completion_tokens == 10 and reply.usage.prompt_tokens == 2
+    assert stand_in.bodies[1]["prompt"][:2] == [ord("h"), ord("i")]  # resumed as a completion from IDs
+
+
+def test_what_vllm_rejects_passes_through_and_is_never_retried(front, stand_in):
+    with pytest.raises(openai.BadRequestError) as e:
+        front.client.completions.create(model="tiny", prompt="x", max_tokens=999)
+    assert e.value.body["message"] == "max_tokens too big" and e.value.body["param"] == "max_tokens"
+    assert len(stand_in.bodies) == 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{front.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_client_that_leaves_closes_the_upstream_stream(front, stand_in):
+    stand_in.tokens_per_s = 20
+    with httpx.stream("POST", f"{front.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": "abc", "max_tokens": 400, "stream": True}) as response:
+        for line in response.iter_lines():
+            if ' w' in line:
+                break
+    # the front closed its upstream connection, so the stand-in (like vLLM) stops generating for nobody
+    wait_for(lambda: stand_in.disconnects == 1, timeout=10, what="the upstream stream closed")
+    reply = front.client.completions.create(model="tiny", prompt="next", max_tokens=4)
+    assert reply.choices[0].text == fault_free_text("next", 4)
+
+
+def test_requests_wait_for_the_next_tree_up_to_max_pending(front, stand_in):
+    front.tell(1, False)  # the tree is down: requests are held
+    results: list = []
+
+    def ask(i):
+        try:
+            results.append(front.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=3).choices[0].text)
+        except openai.APIStatusError as e:
+            results.append(e)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: "vsup_front_pending 3" in httpx.get(f"{front.url}/metrics").text, timeout=10,
+             what="3 requests held")
+    with pytest.raises(openai.APIStatusError) as e:
+        front.client.completions.create(model="tiny", prompt="one too many", max_tokens=3)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
+    assert "--max-pending 3" in e.value.message
+    front.tell(2, True, restarts={"worker": 1})
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == sorted(fault_free_text(f"p{i}", 3) for i in range(3))
+    assert 'vsup_restarts_total{role="worker"} 1' in httpx.get(f"{front.url}/metrics").text
+
+
+def test_a_poison_request_fails_after_max_resumes_and_the_others_go_on(front, stand_in):
+    stand_in.tokens_per_s = 50
+    results: dict = {}
+
+    def run(name, prompt):
+        try:
+            chunks = front.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, stream=True)
+            results[name] = "".join(c.choices[0].text for c in chunks if c.choices)
+        except openai.APIError as e:
+            results[name] = e
+    innocents = [threading.Thread(target=run, args=(f"ok{i}", f"story {i}")) for i in range(3)]
+    for t in innocents:
+        t.start()
+    time.sleep(0.2)
+    bad = threading.Thread(target=run, args=("bad", f"a {POISON} b"))
+    bad.start()
+    for t in [*innocents, bad]:
+        t.join(60)
+    assert isinstance(results["bad"], openai.APIError) and "--max-resumes 1" in str(results["bad"])
+    assert {k: v for k, v in results.items() if k != "bad"} == {f"ok{i}": fault_free_text(f"story {i}", 40)
+                                                                for i in range(3)}
+    assert stand_in.gen == 3  # its first try and its one resume: no crash loop
+
+
+def test_a_stopping_deployment_refuses_instead_of_holding(front, stand_in):
+    front.tell(1, False, stopping=True)
+    with pytest.raises(openai.APIStatusError) as e:
+        front.client.completions.create(model="tiny", prompt="late", max_tokens=3)
+    assert e.value.status_code == 503 and "stopping" in e.value.message
+    assert httpx.get(f"{front.url}/health").status_code == 503

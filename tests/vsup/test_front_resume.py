@@ -1,0 +1,109 @@
+"""The front's pure rules for going on with a generation on a new tree (vsup/front/resume.py)."""
+
+from __future__ import annotations
+
+import json
+
+from vsup.front.resume import CHAT, COMPLETION, Generation, charge, not_resumable, sse_events, stream_error
+
+
+def chunk(ids, text, finish=None, prompt=None, kind=COMPLETION):
+    choice = {"index": 0, "token_ids": ids, "finish_reason": finish}
+    if kind == CHAT:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+    out = {"id": "cmpl-1", "created": 7, "model": "tiny", "choices": [choice]}
+    if kind == CHAT and prompt is not None:
+        out["prompt_token_ids"] = prompt
+    return out
+
+
+def test_a_resumed_completion_sends_the_prompt_and_what_was_streamed_with_the_same_sampling():
+    g = Generation(COMPLETION, {"model": "tiny", "prompt": "Once", "max_tokens": 10, "temperature": 0.7,
+                                "seed": 3, "stop": ["\n\n"], "stream": True, "min_tokens": 4})
+    route, first = g.upstream()
+    assert route == "/v1/completions" and first["return_token_ids"] is True and first["prompt"] == "Once"
+    g.on_chunk(chunk([5, 6], "a b", prompt=[1, 2, 3]))
+    g.on_chunk(chunk([7], " c"))
+    g.resumes = 1
+    route, body = g.upstream()
+    assert route == "/v1/completions"
+    assert body["prompt"] == [1, 2, 3, 5, 6, 7] and body["max_tokens"] == 7 and body["min_tokens"] == 1
+    assert (body["temperature"], body["seed"], body["stop"], body["stream"]) == (0.7, 3, ["\n\n"], True)
+    assert "stream_options" not in body  # the client did not ask for usage
+
+
+def test_the_client_never_sees_the_ids_it_did_not_ask_for_and_a_resumed_stream_keeps_its_id():
+    g = Generation(COMPLETION, {"model": "tiny", "prompt": "Once", "max_tokens": 10, "stream": True})
+    out = g.on_chunk(chunk([5], "a", prompt=[1, 2]))
+    assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]
+    g.resumes = 1
+    later = {**chunk([6], " b"), "id": "cmpl-2", "created": 9}
+    out = g.on_chunk(later)
+    assert (out["id"], out["created"], out["choices"][0]["text"]) == ("cmpl-1", 7, " b")
+    asked = Generation(COMPLETION, {"prompt": "x", "return_token_ids": True, "stream": True})
+    assert asked.on_chunk(chunk([5], "a", prompt=[1]))["choices"][0]["token_ids"] == [5]
+
+
+def test_a_chat_goes_on_as_a_completion_whose_chunks_are_chat_chunks_again():
+    g = Generation(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                          "max_completion_tokens": 5, "stream_options": {"include_usage": True}})
+    g.on_chunk(chunk([], "", prompt=[1, 2, 3, 4], kind=CHAT))
+    g.on_chunk(chunk([9, 8], "He llo", kind=CHAT))
+    g.resumes = 1
+    route, body = g.upstream()
+    assert route == "/v1/completions" and body["prompt"] == [1, 2, 3, 4, 9, 8] and body["max_tokens"] == 3
+    assert body["stream_options"] == {"include_usage": True}
+    out = g.on_chunk({"id": "cmpl-9", "created": 1, "model": "tiny",
+                      "choices": [{"index": 0, "text": "!", "token_ids": [7], "finish_reason": "stop"}]})
+    assert out["object"] == "chat.completion.chunk" and out["choices"][0]["delta"] == {"content": "!"}
+    assert out["choices"][0]["finish_reason"] == "stop" and "token_ids" not in out["choices"][0]
+    usage = g.on_chunk({"id": "cmpl-9", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 1}})
+    assert usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}  # what the client got
+
+
+def test_a_client_that_did_not_stream_gets_one_whole_response_counting_every_tree():
+    g = Generation(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    _, first = g.upstream()
+    assert first["stream"] is True and "stream_options" not in first
+    g.on_chunk(chunk([], "", prompt=[1, 2], kind=CHAT))
+    g.on_chunk(chunk([3], "Par", kind=CHAT))
+    g.resumes = 1
+    g.on_chunk({"id": "x", "choices": [{"index": 0, "text": "is.", "token_ids": [4], "finish_reason": "stop"}]})
+    assert g.on_chunk({"id": "x", "choices": [], "usage": {"prompt_tokens": 3}}) is None  # not asked for
+    whole = g.response()
+    assert whole["object"] == "chat.completion" and whole["id"] == "cmpl-1"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 2
+
+
+def test_what_cannot_go_on_from_token_ids_is_forwarded_as_it_is():
+    assert not_resumable(COMPLETION, {"prompt": "x", "n": 2}) == "n > 1"
+    assert not_resumable(CHAT, {"messages": [], "tools": [{"type": "function"}]}) == "tools"
+    assert not_resumable(CHAT, {"messages": [], "logprobs": True}) == "logprobs"
+    assert not_resumable(COMPLETION, {"prompt": ["a", "b"]}) == "a batch of prompts"
+    assert not_resumable(COMPLETION, {"prompt": [1, 2, 3], "logprobs": 2}) is None
+    assert not_resumable(CHAT, {"messages": [], "response_format": {"type": "text"}}) is None
+
+
+def test_deaths_count_in_a_row_only_while_no_token_comes_out():
+    g = Generation(COMPLETION, {"prompt": "x"})
+    charge(g, probing_other=False)
+    charge(g, probing_other=False)
+    assert g.charges == 2  # a poison request: nothing came out between the deaths
+    g.fresh_tokens = 3
+    charge(g, probing_other=False)
+    assert g.charges == 1  # it made progress on that tree: this death was not its doing
+    g.fresh_tokens = 0
+    charge(g, probing_other=True)
+    assert g.charges == 1  # another request was probing that tree alone
+
+
+def test_server_sent_events_are_taken_whole_and_error_chunks_carry_their_status():
+    buffer = bytearray(b'data: {"a": 1}\n\ndata: [DONE]\n\ndata: {"par')
+    assert sse_events(buffer) == [b'{"a": 1}', b"[DONE]"] and bytes(buffer) == b'data: {"par'
+    assert stream_error(json.loads('{"error": {"message": "engine dead", "code": 500}}')) == 500
+    assert stream_error({"error": {"message": "?"}}) == 500 and stream_error({"choices": []}) is None

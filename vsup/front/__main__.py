@@ -1,0 +1,49 @@
+"""`python -m vsup.front`: what the supervisor starts as the `front` process of a stock vLLM deployment.
+
+The keys travel in the environment, never in argv: VSUP_API_KEY (what clients
+must give) and VSUP_FRONT_UPSTREAM_KEY (vLLM's private one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m vsup.front")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="vLLM's private URL")
+    parser.add_argument("--resume-timeout", type=float, default=120.0)
+    parser.add_argument("--max-pending", type=int, default=256)
+    parser.add_argument("--max-resumes", type=int, default=2)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        import setproctitle
+        setproctitle.setproctitle("vsup::front")
+    except ImportError:
+        pass
+
+    import uvicorn
+
+    from vsup.front.app import Front, log
+
+    front = Front(args.upstream, os.environ.get("VSUP_FRONT_UPSTREAM_KEY"), os.environ.get("VSUP_API_KEY"),
+                  args.resume_timeout, args.max_pending, args.max_resumes)
+    config = uvicorn.Config(front, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=args.drain_timeout,
+                            timeout_keep_alive=30, backlog=2048)
+    server = uvicorn.Server(config)
+    log("listening", host=args.host, port=args.port, upstream=args.upstream)
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

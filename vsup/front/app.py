@@ -1,0 +1,412 @@
+"""vsup's front for a stock vLLM: the public port, with vLLM behind it on a private one.
+
+Every request is forwarded chunk by chunk. A generation that the tree behind
+it dropped (a reset connection, a cut stream, a 5xx from a dead engine) is
+held until the supervisor says a new tree is up, then goes on from its token
+IDs (vsup/front/resume.py), so the client sees a pause and no error. What vLLM
+itself rejects (4xx) passes through unchanged and is never retried.
+
+The supervisor tells the front of each tree on its stdin, one JSON line per
+change: {"gen": N, "up": bool, "stopping": bool, "restarts": {role: count}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import sys
+import time
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from vsup.front import resume
+from vsup.front.resume import CHAT, DONE, ROUTES, Generation, sse, sse_events, stream_error
+
+GRACE_S = 5.0  # how long a tree that failed a request may still say it is up before the failure is the request's
+HOP_HEADERS = {"host", "authorization", "content-length", "connection", "keep-alive", "transfer-encoding",
+               "te", "upgrade", "proxy-authorization", "accept-encoding"}
+ROLES = ("api-server", "engine-core", "worker", "coordinator", "helper")
+
+
+def log(event: str, level: str = "info", **fields) -> None:
+    """One JSON line on stdout: the supervisor tags it as the front's."""
+    print(json.dumps({"event": event, "level": level, **fields}, default=str), flush=True)
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict:
+    kind = kind or ("invalid_request_error" if status < 500 else "service_unavailable" if status == 503
+                    else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, retry_after: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+class Refused(Exception):
+    """A request the front gives up on, with the status and message the client gets."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+class Tree:
+    """What the supervisor last said of the vLLM tree behind the front."""
+
+    def __init__(self):
+        self.gen, self.up, self.stopping, self.restarts = 0, False, False, {}
+        self._changed = asyncio.Event()
+
+    def update(self, message: dict) -> None:
+        self.gen = int(message.get("gen", self.gen))
+        self.up = bool(message.get("up"))
+        self.stopping = bool(message.get("stopping"))
+        self.restarts = dict(message.get("restarts") or {})
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            pass
+
+
+class Front:
+    def __init__(self, upstream: str, upstream_key: str | None, api_key: str | None, resume_timeout: float,
+                 max_pending: int, max_resumes: int):
+        self.upstream, self.upstream_key, self.api_key = upstream, upstream_key, api_key
+        self.resume_timeout, self.max_pending, self.max_resumes = resume_timeout, max_pending, max_resumes
+        self.tree = Tree()
+        self.client: httpx.AsyncClient | None = None
+        self.pending = 0  # requests waiting for a tree
+        self.probe = asyncio.Lock()  # a request that may have killed the tree runs alone until a token comes out
+        self.probing: dict[int, Generation] = {}  # tree gen -> the request probing it
+        self.resumed_total = 0
+        self.reader: asyncio.Task | None = None  # (held: the loop keeps only a weak reference to a task)
+
+    # the ASGI app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self.handle(request)
+        except Refused as e:
+            response = error_response(e.status, e.message, e.retry_after)
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=5.0),
+                                                limits=httpx.Limits(max_connections=None,
+                                                                    max_keepalive_connections=512))
+                self.reader = asyncio.get_running_loop().create_task(self._read_supervisor())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _read_supervisor(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            try:
+                self.tree.update(json.loads(line))
+            except (ValueError, TypeError, AttributeError):
+                log("dropped a malformed line from the supervisor", "warning", line=line[:200].decode(errors="replace"))
+        log("the supervisor is gone: exiting", "error")
+        sys.exit(1)  # (PR_SET_PDEATHSIG would end it too)
+
+    async def handle(self, request: Request) -> Response:
+        path = request.url.path
+        if self.api_key and path.startswith("/v1") and not self._authorized(request):
+            return error_response(401, "Unauthorized: give the API key as 'Authorization: Bearer KEY'")
+        if path == "/health":
+            return await self._health()
+        if path == "/metrics":
+            return await self._metrics()
+        body = await request.body()
+        kind = ROUTES.get(path) if request.method == "POST" else None
+        if kind is not None:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict) and resume.not_resumable(kind, parsed) is None:
+                return await self.generate(Generation(kind, parsed), self._headers(request))
+        return await self.forward(request, body)
+
+    def _authorized(self, request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    def _headers(self, request: Request) -> dict:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if self.upstream_key:
+            headers["authorization"] = f"Bearer {self.upstream_key}"
+        return headers
+
+    # the tree
+
+    async def tree_after(self, dead_gen: int | None) -> int:
+        """The gen of a tree that is up (a newer one than `dead_gen`), holding the request until one is."""
+        tree = self.tree
+        if tree.up and (dead_gen is None or tree.gen > dead_gen):
+            return tree.gen
+        if tree.stopping:
+            raise Refused(503, "vsup is stopping this deployment")
+        if self.pending >= self.max_pending:
+            raise Refused(503, f"{self.pending} requests already wait for vLLM to come back (--max-pending "
+                               f"{self.max_pending}); retry later", retry_after=5)
+        self.pending += 1
+        deadline = time.monotonic() + self.resume_timeout
+        try:
+            while not (tree.up and (dead_gen is None or tree.gen > dead_gen)):
+                if tree.stopping:
+                    raise Refused(503, "vsup is stopping this deployment")
+                if time.monotonic() >= deadline:
+                    raise Refused(503, f"vLLM did not come back within --resume-timeout {self.resume_timeout:g} s",
+                                  retry_after=5)
+                await tree.changed(deadline - time.monotonic())
+            return tree.gen
+        finally:
+            self.pending -= 1
+
+    async def tree_died(self, gen: int) -> bool:
+        """After a request failed on tree `gen`: whether that tree died (False: it lives, the failure was
+        the request's own)."""
+        deadline = time.monotonic() + GRACE_S
+        while self.tree.gen == gen and self.tree.up and time.monotonic() < deadline:
+            await self.tree.changed(deadline - time.monotonic())
+        return not (self.tree.gen == gen and self.tree.up)
+
+    # generations: streamed, held and resumed
+
+    async def generate(self, g: Generation, headers: dict) -> Response:
+        try:
+            opened = await self._submit(g, headers, None)
+        except Refused as e:
+            return error_response(e.status, e.message, e.retry_after)
+        if isinstance(opened, Response):
+            return opened
+        if g.streams:
+            return Streamed(self._stream(g, headers, opened), media_type="text/event-stream",
+                            headers={"x-accel-buffering": "no"})
+        error = None
+        async with contextlib.aclosing(self._chunks(g, headers, opened)) as chunks:
+            async for chunk in chunks:
+                if "error" in chunk:
+                    error = chunk
+        if error is not None:
+            return JSONResponse(error, status_code=error["error"].get("code") or 500)
+        return JSONResponse(g.response())
+
+    async def _stream(self, g: Generation, headers: dict, opened):
+        async with contextlib.aclosing(self._chunks(g, headers, opened)) as chunks:  # closed if the client left
+            async for chunk in chunks:
+                yield sse(chunk)
+        yield DONE
+
+    async def _submit(self, g: Generation, headers: dict, dead_gen: int | None):
+        """Send the generation (again) to a tree that is up: (response, gen), or a Response to pass on."""
+        while True:
+            probing = g.charges > 0 and g.charges >= self.max_resumes  # its last chance: alone among suspects
+            if probing:
+                await self.probe.acquire()
+            try:
+                gen = await self.tree_after(dead_gen)
+            except Refused:
+                if probing:
+                    self.probe.release()
+                raise
+            if probing:
+                self.probing[gen] = g
+            route, body = g.upstream()
+            g.fresh_tokens = 0
+            try:
+                response = await self.client.send(self.client.build_request("POST", route, json=body,
+                                                                              headers=headers), stream=True)
+            except httpx.TransportError:
+                response = None
+            if response is not None and response.status_code < 500:
+                if response.status_code == 200:
+                    return response, gen
+                self._end_probe(g, gen)
+                content = await response.aread()
+                await response.aclose()
+                return Response(content, response.status_code, media_type=response.headers.get("content-type"))
+            if response is not None:
+                content = await response.aread()
+                await response.aclose()
+            self._end_probe(g, gen)
+            if not await self.tree_died(gen):
+                if response is None:
+                    raise Refused(502, "vLLM did not answer")
+                return Response(content, response.status_code, media_type=response.headers.get("content-type"))
+            self._on_death(g, gen)
+            dead_gen = gen
+
+    def _end_probe(self, g: Generation, gen: int) -> None:
+        if self.probing.get(gen) is g and self.probe.locked():
+            self.probe.release()
+            if g.fresh_tokens:
+                del self.probing[gen]  # proven: a later death of this tree is not its
+
+    def _on_death(self, g: Generation, gen: int) -> None:
+        """Tree `gen` died under `g`: count it, or give up on a request that keeps killing the engine."""
+        resume.charge(g, probing_other=self.probing.get(gen) not in (None, g))
+        if g.charges > self.max_resumes:
+            log("gave up on a request that the engine died under every time", "error", request=g.id,
+                deaths=g.charges, resumes=g.resumes)
+            raise Refused(500, f"the vLLM engine died {g.charges} times in a row while running this request, "
+                               f"without a token coming out (--max-resumes {self.max_resumes}); it is not retried")
+        g.resumes += 1
+        self.resumed_total += 1
+        log("resuming a request on a new tree", "warning", request=g.id, tokens=len(g.generated),
+            resumes=g.resumes)
+
+    async def _chunks(self, g: Generation, headers: dict, opened):
+        """The client's chunks, across as many trees as it takes; an error chunk ends them."""
+        response, gen = opened
+        while True:
+            done = failed = False
+            buffer = bytearray()
+            try:
+                async for raw in response.aiter_raw():
+                    buffer += raw
+                    for data in sse_events(buffer):
+                        if data == b"[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(data)
+                        code = stream_error(chunk)
+                        if code is not None:
+                            if code < 500:
+                                self._end_probe(g, gen)
+                                yield chunk
+                                return
+                            failed = True
+                            break
+                        out = g.on_chunk(chunk)
+                        if g.fresh_tokens:
+                            self._end_probe(g, gen)
+                        if out is not None:
+                            yield out
+                    if done or failed:
+                        break
+            except (httpx.TransportError, ValueError):
+                failed = True
+            finally:
+                await response.aclose()
+                self._end_probe(g, gen)
+            if done or (not failed and g.finish_reason is not None):
+                return
+            # cut: the tree died under it (or vLLM ended the stream without saying so)
+            if g.remaining() is not None and g.remaining() <= 0:
+                yield g.finished_here()
+                return
+            try:
+                if not await self.tree_died(gen):
+                    yield error_body(502, "vLLM ended the stream early")
+                    return
+                self._on_death(g, gen)
+                opened = await self._submit(g, headers, gen)
+            except Refused as e:
+                yield error_body(e.status, e.message)
+                return
+            if isinstance(opened, Response):
+                yield json.loads(opened.body) if opened.body.startswith(b"{") else error_body(
+                    opened.status_code, opened.body.decode(errors="replace"))
+                return
+            response, gen = opened
+
+    # everything else, forwarded as it is
+
+    async def forward(self, request: Request, body: bytes) -> Response:
+        headers = self._headers(request)
+        dead_gen = None
+        while True:
+            gen = await self.tree_after(dead_gen)
+            upstream = self.client.build_request(request.method, request.url.path, params=request.query_params,
+                                                 content=body, headers=headers)
+            try:
+                response = await self.client.send(upstream, stream=True)
+            except httpx.TransportError:
+                if not await self.tree_died(gen):
+                    return error_response(502, "vLLM did not answer")
+                dead_gen = gen
+                continue
+            kept = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+            return Streamed(_relay(response), status_code=response.status_code, headers=kept)
+
+    async def _health(self) -> Response:
+        if not self.tree.up:
+            return error_response(503, "vLLM is not up" + (" (stopping)" if self.tree.stopping else ""))
+        try:
+            response = await self.client.get("/health", timeout=5.0)
+        except httpx.TransportError:
+            return error_response(503, "vLLM does not answer /health")
+        return Response(response.content, response.status_code)
+
+    async def _metrics(self) -> Response:
+        """vLLM's own /metrics, with vsup's restart counters beside them: one scrape target."""
+        text = ""
+        if self.tree.up:
+            try:
+                response = await self.client.get("/metrics", timeout=5.0)
+                text = response.text if response.status_code == 200 else ""
+            except httpx.TransportError:
+                pass
+        lines = ["# HELP vsup_restarts_total vLLM trees vsup restarted, by the role whose process died.",
+                 "# TYPE vsup_restarts_total counter"]
+        lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.tree.restarts.get(role, 0))}' for role in ROLES]
+        lines += ["# HELP vsup_front_resumed_total Requests the front resumed on a new tree.",
+                  "# TYPE vsup_front_resumed_total counter", f"vsup_front_resumed_total {self.resumed_total}",
+                  "# HELP vsup_front_pending Requests waiting for a vLLM tree now.",
+                  "# TYPE vsup_front_pending gauge", f"vsup_front_pending {self.pending}"]
+        return PlainTextResponse(text + "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+class Streamed(StreamingResponse):
+    """A streamed response that ends when the client leaves, and closes its source however it ends: the
+    upstream connection closes with it, so vLLM aborts the request. (uvicorn's send drops what a client
+    that left is sent without a word, so the front listens for the disconnect itself.)"""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def until_left():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        left = asyncio.ensure_future(until_left())
+        try:
+            await asyncio.wait({streaming, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, left):
+                task.cancel()
+            await asyncio.gather(streaming, left, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()
+
+
+async def _relay(response: httpx.Response):
+    try:
+        async for raw in response.aiter_raw():
+            yield raw
+    finally:
+        await response.aclose()
