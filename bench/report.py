@@ -451,8 +451,12 @@ class Report:
                      f"{s['rounds']} alternating rounds, the same vLLM argv): cold start to /health "
                      f"{s['health_extra_s']:+.1f} s (goal <= +1 s); throughput "
                      + ", ".join(f"{n} streams **{x:.3f}x**" for n, x in sorted(tput)) + " (goal >= 0.98x); "
-                     f"{h.get('log_lines_per_s', float('nan')):.0f} log lines/s from one process; kill -9 of the "
-                     f"worker to the next token {_f(h.get('kill_worker_to_next_token_s'))} s (bare vLLM exits)")
+                     + "".join(f"ITL p50 {s[f'itl_p50_extra_ms_{n}']:+.2f} ms at {n} streams (goal <= 1 ms); "
+                               for n, _ in sorted(tput) if f"itl_p50_extra_ms_{n}" in s)
+                     + f"{h.get('log_lines_per_s', float('nan')):.0f} log lines/s from one process; kill -9 of the "
+                     f"worker to the running stream's next token {_f(h.get('kill_worker_to_streams_next_token_s'))} "
+                     f"s (the front resumes it; bare vLLM fails it and exits), to the next new request served "
+                     f"{_f(h.get('kill_worker_to_next_token_s'))} s")
             for n, x in sorted(tput):
                 bars.append((f"{n} streams, vsup --engine vllm / bare vLLM", x, "goal >= 0.98"))
                 self.goal(f"throughput at {n} streams, vsup around vLLM / bare vLLM >= 0.98", f"{x:.3f}",

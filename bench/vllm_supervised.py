@@ -1,11 +1,15 @@
 """What vsup costs around a stock vLLM: `vsup serve --engine vllm` against bare `vllm serve`, in one run.
 
 Both sides serve the default model with the very same vLLM argv and environment (vsup's own
-mapping, vsup/vllm/args.py), one after the other, the order flipped every round:
+mapping, vsup/vllm/args.py), one after the other, the order flipped every round. vsup's side
+is reached through its front (vsup/front), so its figures hold the front's cost too:
 - cold start, launch to the first /health 200 (goal: vsup at most +1 s);
-- throughput at 16 and 64 streams of 64 tokens (goal: vsup at least 0.98x);
-- under vsup only, kill -9 of the worker to the next token served (bare vLLM exits and serves
-  nothing again), and the lines/s vsup's log router takes from a process of the tree.
+- throughput at 16 and 64 streams of 64 tokens (goals: at least 0.98x for the supervision,
+  0.97x with the front), and the ITL p50 the front adds (goal: at most 1 ms);
+- under vsup only: kill -9 of the worker under a running stream to that stream's next token
+  (the front resumes it on the new tree; bare vLLM fails it and exits), kill -9 of the worker
+  to the next new request served, and the lines/s vsup's log router takes from a process of
+  the tree.
 
     python bench/vllm_supervised.py [--quick | --smoke]     # --smoke: detection only, nothing started
 """
@@ -61,13 +65,14 @@ def supervised(children: Children, model_dir: str, home: Path, env: dict | None 
                   env={"VSUP_HOME": str(home), **(env or {})}, model=MODEL_NAME)
 
 
-def throughput(server: Server, streams: int, tokens: int) -> float:
+def throughput(server: Server, streams: int, tokens: int) -> dict:
     run = asyncio.run(run_streams(server.url, server.model, [f"Tell me story {i}." for i in range(streams)], tokens))
-    return stream_summary(run)["tokens_per_s"]
+    return stream_summary(run)
 
 
 def side_by_side(model_dir: str, rounds: int, stream_counts: list[int], tokens: int) -> dict:
-    samples = {side: {"health_s": [], **{f"tok_s_{n}": [] for n in stream_counts}} for side in ("vsup", "vllm")}
+    samples = {side: {"health_s": [], **{f"{k}_{n}": [] for n in stream_counts for k in ("tok_s", "itl_p50_ms")}}
+               for side in ("vsup", "vllm")}
     with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-sup-") as tmp:
         for r in range(rounds):
             for side in ("vsup", "vllm") if r % 2 == 0 else ("vllm", "vsup"):
@@ -78,16 +83,20 @@ def side_by_side(model_dir: str, rounds: int, stream_counts: list[int], tokens: 
                     throughput(server, 1, 8)  # warm-up
                     for n in stream_counts:
                         settle(children.procs)
-                        samples[side][f"tok_s_{n}"].append(throughput(server, n, tokens))
+                        summary = throughput(server, n, tokens)
+                        samples[side][f"tok_s_{n}"].append(summary["tokens_per_s"])
+                        samples[side][f"itl_p50_ms_{n}"].append(summary["itl_p50_ms"])
                     server.stop()
                 print(f"  round {r} {side}: /health {samples[side]['health_s'][-1]:.1f} s, "
                       + ", ".join(f"{n} streams {samples[side][f'tok_s_{n}'][-1]:.0f} tok/s" for n in stream_counts),
                       flush=True)
-    best = {side: {k: (min(v) if k == "health_s" else max(v)) for k, v in s.items()} for side, s in samples.items()}
+    best = {side: {k: (max(v) if k.startswith("tok_s") else min(v)) for k, v in s.items()}
+            for side, s in samples.items()}
     out = {"rounds": rounds, "samples": samples, "best": best,
            "health_extra_s": best["vsup"]["health_s"] - best["vllm"]["health_s"]}
     for n in stream_counts:
         out[f"vsup_over_vllm_tok_s_{n}"] = ratio(best["vsup"][f"tok_s_{n}"], best["vllm"][f"tok_s_{n}"])
+        out[f"itl_p50_extra_ms_{n}"] = best["vsup"][f"itl_p50_ms_{n}"] - best["vllm"][f"itl_p50_ms_{n}"]
     return out
 
 
@@ -117,6 +126,8 @@ def heal_and_flood(model_dir: str) -> dict:
         span = (datetime.fromisoformat(stamps[-1].rstrip("Z")) - datetime.fromisoformat(stamps[0].rstrip("Z")))
         lines_per_s = (len(stamps) - 1) / max(span.total_seconds(), 1e-6)
         worker = next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker")
+        paused_s = pause_at_kill(server.url, worker)
+        worker = next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker" and p["pid"])
         killed = time.monotonic()
         os.kill(worker, signal.SIGKILL)
         body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
@@ -131,7 +142,27 @@ def heal_and_flood(model_dir: str) -> dict:
                 pass
             time.sleep(0.2)
         server.stop()
-    return {"log_lines_per_s": lines_per_s, "flood_lines": len(stamps), "kill_worker_to_next_token_s": served_s}
+    return {"log_lines_per_s": lines_per_s, "flood_lines": len(stamps), "kill_worker_to_next_token_s": served_s,
+            "kill_worker_to_streams_next_token_s": paused_s}
+
+
+def pause_at_kill(url: str, worker: int) -> float | None:
+    """kill -9 of the worker once a stream has 8 tokens; the seconds to that same stream's next token."""
+    import httpx
+
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    stamps = []
+    killed = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.monotonic())
+                if len(stamps) == 8:
+                    killed = time.monotonic()
+                    os.kill(worker, signal.SIGKILL)
+    after = [t for t in stamps if killed is not None and t > killed]
+    return after[0] - killed if after and len(stamps) >= 64 else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,14 +181,19 @@ def main(argv: list[str] | None = None) -> None:
         s = results["side_by_side"] = side_by_side(model_dir, 1 if quick else 2, [16] if quick else [16, 64], 64)
         rows = [["cold start to /health, s", s["best"]["vsup"]["health_s"], s["best"]["vllm"]["health_s"],
                  f"{s['health_extra_s']:+.1f} s"]]
-        rows += [[f"{n} streams, tok/s", s["best"]["vsup"][f"tok_s_{n}"], s["best"]["vllm"][f"tok_s_{n}"],
-                  f"{s[f'vsup_over_vllm_tok_s_{n}']:.3f}x"] for n in ([16] if quick else [16, 64])]
+        for n in [16] if quick else [16, 64]:
+            rows += [[f"{n} streams, tok/s", s["best"]["vsup"][f"tok_s_{n}"], s["best"]["vllm"][f"tok_s_{n}"],
+                      f"{s[f'vsup_over_vllm_tok_s_{n}']:.3f}x"],
+                     [f"{n} streams, ITL p50 ms", s["best"]["vsup"][f"itl_p50_ms_{n}"],
+                      s["best"]["vllm"][f"itl_p50_ms_{n}"], f"{s[f'itl_p50_extra_ms_{n}']:+.2f} ms"]]
         print_table("vsup --engine vllm against bare vllm serve (best of each)", ["", "vsup", "vLLM", "vsup/vLLM"],
                     rows)
         h = results["heal"] = heal_and_flood(model_dir)
         print_table("under vsup only", ["figure", "value"],
                     [["log lines/s through the supervisor", f"{h['log_lines_per_s']:.0f}"],
-                     ["kill -9 of the worker -> next token, s", h["kill_worker_to_next_token_s"]]])
+                     ["kill -9 of the worker -> the running stream's next token, s",
+                      h["kill_worker_to_streams_next_token_s"]],
+                     ["kill -9 of the worker -> next new request served, s", h["kill_worker_to_next_token_s"]]])
     write_results("vllm_supervised", results, run_mode)
 
 

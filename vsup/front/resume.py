@@ -68,6 +68,7 @@ class Generation:
     resumes: int = 0  # how many times it went on on a new tree
     charges: int = 0  # deaths in a row it was running at without a token coming out of it
     fresh_tokens: int = 0  # tokens since its last (re)submission
+    usage_sent: bool = False
 
     @property
     def wants_ids(self) -> bool:
@@ -128,6 +129,7 @@ class Generation:
             if choice.get("finish_reason") is not None:
                 self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         if not choices and chunk.get("usage") is not None:
+            self.usage_sent = self.wants_usage
             return {**self._head(), "choices": [], "usage": self.usage()} if self.wants_usage else None
         if self.resumed and self.kind == CHAT:
             return {**self._head(), "choices": [self._chat_choice(c) for c in choices]}

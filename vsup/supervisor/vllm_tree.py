@@ -313,10 +313,15 @@ class VllmSupervisor(Supervisor):
     # health and progress
 
     def _probe_loop(self) -> None:
-        while not self.probe_stop.wait(1.0):
+        """/health every second (every 0.2 s while a tree starts: the front waits on it); vLLM's /metrics,
+        which costs its API server more to render, only as often as --hang-timeout needs."""
+        scraped = 0.0
+        while not self.probe_stop.wait(1.0 if self.state == "serving" else 0.2):
             asked = time.monotonic()
             healthy = self._get("/health") is not None
-            text = self._get("/metrics") if healthy else None
+            scrape = healthy and self.state == "serving" and asked - scraped >= min(5.0, self.vllm.hang_timeout / 8)
+            text = self._get("/metrics") if scrape else None
+            scraped = asked if scrape else scraped
             self.probes.append((asked, healthy, parse_metrics(text) if text else None))
             try:
                 os.write(self.wake_w, b"p")
