@@ -34,7 +34,7 @@ from vllm_cpu import MODEL_NAME, detect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vsup.topology import ParallelConfig  # noqa: E402
-from vsup.vllm.args import ServeFlags, serve_argv, serve_env  # noqa: E402
+from vsup.vllm.args import ServeFlags, cpu_placement, serve_argv, serve_env  # noqa: E402
 from vsup.vllm.help import PROJECT_VENV_BIN  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -51,9 +51,10 @@ def bare(children: Children, model_dir: str, log_dir: Path) -> Server:
     """`vllm serve` as vsup would start it, without vsup."""
     port = free_port()
     config = ParallelConfig()
+    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), 1)  # the worker's cores, as vsup places it
     argv = serve_argv(str(PROJECT_VENV_BIN), config, flags(model_dir, port))
     return Server("vllm serve", argv, port, log_dir / f"bare-{port}.log", children,
-                  env=serve_env(config, flags(model_dir, port), [], None), model=MODEL_NAME)
+                  env=serve_env(config, flags(model_dir, port), binds, None, len(kept)), model=MODEL_NAME)
 
 
 def supervised(children: Children, model_dir: str, home: Path, env: dict | None = None) -> Server:

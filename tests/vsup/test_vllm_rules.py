@@ -10,7 +10,8 @@ import pytest
 
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
-from vsup.vllm.args import GIB, ServeFlags, cpu_kv_cache_gib, serve_argv, serve_env, unknown_flags
+from vsup.vllm.args import (GIB, ServeFlags, cpu_kv_cache_gib, cpu_placement, serve_argv, serve_env,
+                            unknown_flags)
 from vsup.vllm.help import parse_flags
 from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
 from vsup.vllm.plan import vllm_plan
@@ -87,6 +88,10 @@ def test_vsup_flags_become_vllms():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert env["VLLM_API_KEY"] == "secret" and "secret" not in argv
     assert cpu_kv_cache_gib(3 * GIB) == 3
+    # one worker on 4 cores: it gets 3 and one is kept for the front, vLLM's API server and engine core
+    assert cpu_placement([3, 0, 2, 1], 1) == ([[0, 1, 2]], [3])
+    assert cpu_placement([0, 1], 2) == ([[0], [1]], [])  # TP=2 on two cores: nothing kept
+    assert cpu_placement([0, 1, 2, 3], 0) == ([], [])  # CUDA: no CPU worker, no pinning
     with pytest.raises(UsageError, match="whole GiB"):
         cpu_kv_cache_gib(GIB // 2)
 

@@ -23,7 +23,10 @@ def main() -> None:
     parser.add_argument("--max-pending", type=int, default=256)
     parser.add_argument("--max-resumes", type=int, default=2)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--cpus", help="the cores to run on (off vLLM's workers' cores)")
     args = parser.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     try:
         import setproctitle

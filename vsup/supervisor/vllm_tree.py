@@ -404,6 +404,7 @@ class VllmSupervisor(Supervisor):
         name = self._name_of(cause)
         if isinstance(cause, Observed) and cause.role == names.HELPER:
             self.log("helper exited", "warning", process=name, pid=cause.pid, exit=cause.last_exit)
+            self.tell_front()  # the tree is still up
             self.save()
             return
         for dead in {id(proc): proc, id(cause): cause}.values():

@@ -72,7 +72,19 @@ def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: 
     return [*argv, *extra]
 
 
-def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[int]], api_key: str | None) -> dict:
+def cpu_placement(allowed: list[int], workers: int) -> tuple[list[list[int]], list[int]]:
+    """The cores of each of vLLM's CPU workers, and those kept for the rest (vsup's front, vLLM's API
+    server and engine core): as vLLM's own binding does, one core is kept for them when there are more
+    cores than workers, so that nothing else runs on a worker's cores between its steps."""
+    from vsup.devices import cpu_shares
+
+    cores = sorted(allowed)
+    kept = cores[-1:] if workers and len(cores) > workers else []
+    return cpu_shares(cores[:len(cores) - len(kept)], workers), kept
+
+
+def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[int]], api_key: str | None,
+              kept: int = 0) -> dict:
     """The environment vLLM reads for what has no flag: the device, the CPU KV cache, thread binding,
     the API key; and no usage reports home."""
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
@@ -84,9 +96,9 @@ def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[in
     if config.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(flags.kv_cache_bytes))
-        if len(cpu_binds) > 1 and all(cpu_binds):  # vLLM's own binding wants a NUMA node per worker
+        if cpu_binds and all(cpu_binds):  # (vLLM's own binding wants a NUMA node per worker past one)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores)) for cores in cpu_binds)
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kept)  # the cores cpu_placement kept
     return env
 
 

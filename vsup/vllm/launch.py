@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from vsup.errors import UsageError
 from vsup.topology import WORKER, ParallelConfig, Plan
-from vsup.vllm.args import ServeFlags, serve_argv, serve_env, unknown_flags
+from vsup.vllm.args import ServeFlags, cpu_placement, serve_argv, serve_env, unknown_flags
 from vsup.vllm.help import find_vllm, serve_flags
 from vsup.vllm.plan import vllm_plan
 
@@ -34,14 +34,12 @@ class FrontFlags:
 def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | None, extra: tuple[str, ...],
                     api_key: str | None, front: FrontFlags = FrontFlags()) -> tuple[Plan, str]:
     """The plan, and the private URL where vLLM serves behind the front."""
-    from vsup.devices import cpu_shares
-
     binary = find_vllm(vllm_bin)
     cpu_workers = [p for p in vllm_plan(config).processes if p.role == WORKER and p.device == "cpu"]
-    binds = cpu_shares(sorted(os.sched_getaffinity(0)), len(cpu_workers))
+    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), len(cpu_workers))
     private = replace(flags, host=PRIVATE_HOST, port=free_port(PRIVATE_HOST))
     upstream_key = secrets.token_urlsafe(24)
-    env = serve_env(config, private, binds, upstream_key)
+    env = serve_env(config, private, binds, upstream_key, len(kept))
     argv = serve_argv(binary, config, private, extra)
     unknown = unknown_flags(argv[3:], serve_flags(binary, env))
     if unknown:
@@ -51,7 +49,8 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
     front_argv = (sys.executable, "-m", "vsup.front", "--host", flags.host, "--port", str(flags.port),
                   "--upstream", upstream, "--resume-timeout", str(front.resume_timeout),
                   "--max-pending", str(front.max_pending), "--max-resumes", str(front.max_resumes),
-                  "--drain-timeout", str(flags.drain_timeout))
+                  "--drain-timeout", str(flags.drain_timeout),
+                  *(("--cpus", ",".join(map(str, kept))) if kept else ()))
     front_env = {"VSUP_FRONT_UPSTREAM_KEY": upstream_key, **({"VSUP_API_KEY": api_key} if api_key else {})}
     return vllm_plan(config, tuple(argv), env, (front_argv, front_env)), upstream
 
