@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -286,17 +285,22 @@ def test_requests_wait_for_the_next_tree_up_to_max_pending(front, stand_in):
 def test_a_poison_request_fails_after_max_resumes_and_the_others_go_on(front, stand_in):
     stand_in.tokens_per_s = 50
     results: dict = {}
+    streamed: dict = {}
 
     def run(name, prompt):
         try:
-            chunks = front.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, stream=True)
-            results[name] = "".join(c.choices[0].text for c in chunks if c.choices)
+            text = ""
+            for c in front.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, stream=True):
+                text += c.choices[0].text if c.choices else ""
+                streamed[name] = len(text)
+            results[name] = text
         except openai.APIError as e:
             results[name] = e
     innocents = [threading.Thread(target=run, args=(f"ok{i}", f"story {i}")) for i in range(3)]
     for t in innocents:
         t.start()
-    time.sleep(0.2)
+    wait_for(lambda: all(streamed.get(f"ok{i}") for i in range(3)) and not results, timeout=10,
+             what="3 streams under way before the poison request")
     bad = threading.Thread(target=run, args=("bad", f"a {POISON} b"))
     bad.start()
     for t in [*innocents, bad]:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from vsup.front import resume
-from vsup.front.resume import CHAT, DONE, ROUTES, Generation, sse, sse_events, stream_error
+from vsup.front.resume import DONE, ROUTES, Generation, sse, sse_events, stream_error
 
 GRACE_S = 5.0  # how long a tree that failed a request may still say it is up before the failure is the request's
 HOP_HEADERS = {"host", "authorization", "content-length", "connection", "keep-alive", "transfer-encoding",

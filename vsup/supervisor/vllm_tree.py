@@ -34,7 +34,7 @@ from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.control import listen_unix
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
-from vsup.topology import API_SERVER, ENGINE_CORE, FRONT, WORKER, Plan, process_name
+from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
 from vsup.vllm import names
 from vsup.vllm.plan import RESOURCE_TRACKER, tree_root
 from vsup.vllm.progress import Progress, parse_metrics
