@@ -145,11 +145,11 @@ class Front:
     def __init__(self, upstream_port: int, *flags: str):
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vsup.front", "--port", str(self.port), "--upstream",
-             f"http://127.0.0.1:{upstream_port}", *flags],
+            [sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(self.port), "--upstream",
+             f"http://127.0.0.1:{upstream_port}", "--drain-timeout", "5", *flags],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "VSUP_API_KEY": KEY, "VSUP_FRONT_UPSTREAM_KEY": UPSTREAM_KEY})
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # read as it comes, or the front would block on a full pipe
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
         try:

@@ -15,14 +15,15 @@ PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m vsup.front")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(prog="python -m vsup.front",
+                                     description="Every value comes from `vsup serve`, which has the defaults.")
+    parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="vLLM's private URL")
-    parser.add_argument("--resume-timeout", type=float, default=120.0)
-    parser.add_argument("--max-pending", type=int, default=256)
-    parser.add_argument("--max-resumes", type=int, default=2)
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--resume-timeout", type=float, required=True)
+    parser.add_argument("--max-pending", type=int, required=True)
+    parser.add_argument("--max-resumes", type=int, required=True)
+    parser.add_argument("--drain-timeout", type=float, required=True)
     parser.add_argument("--cpus", help="the cores to run on (off vLLM's workers' cores)")
     args = parser.parse_args()
     if args.cpus:

@@ -23,13 +23,13 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from vsup.front import resume
-from vsup.front.resume import DONE, ROUTES, Generation, sse, sse_events, stream_error
+from vsup.front.resume import DONE, ROUTES, Generation, charge, not_resumable, sse, sse_events, stream_error
+from vsup.topology import ROLES
+from vsup.vllm.names import HELPER
 
 GRACE_S = 5.0  # how long a tree that failed a request may still say it is up before the failure is the request's
 HOP_HEADERS = {"host", "authorization", "content-length", "connection", "keep-alive", "transfer-encoding",
                "te", "upgrade", "proxy-authorization", "accept-encoding"}
-ROLES = ("api-server", "engine-core", "worker", "coordinator", "helper")
 
 
 def log(event: str, level: str = "info", **fields) -> None:
@@ -147,7 +147,7 @@ class Front:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = None
-            if isinstance(parsed, dict) and resume.not_resumable(kind, parsed) is None:
+            if isinstance(parsed, dict) and not_resumable(kind, parsed) is None:
                 return await self.generate(Generation(kind, parsed), self._headers(request))
         return await self.forward(request, body)
 
@@ -269,7 +269,7 @@ class Front:
 
     def _on_death(self, g: Generation, gen: int) -> None:
         """Tree `gen` died under `g`: count it, or give up on a request that keeps killing the engine."""
-        resume.charge(g, probing_other=self.probing.get(gen) not in (None, g))
+        charge(g, probing_other=self.probing.get(gen) not in (None, g))
         if g.charges > self.max_resumes:
             log("gave up on a request that the engine died under every time", "error", request=g.id,
                 deaths=g.charges, resumes=g.resumes)
@@ -377,7 +377,7 @@ class Front:
                 pass
         lines = ["# HELP vsup_restarts_total vLLM trees vsup restarted, by the role whose process died.",
                  "# TYPE vsup_restarts_total counter"]
-        lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.tree.restarts.get(role, 0))}' for role in ROLES]
+        lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.tree.restarts.get(role, 0))}' for role in (*ROLES, HELPER)]
         lines += ["# HELP vsup_front_resumed_total Requests the front resumed on a new tree.",
                   "# TYPE vsup_front_resumed_total counter", f"vsup_front_resumed_total {self.resumed_total}",
                   "# HELP vsup_front_pending Requests waiting for a vLLM tree now.",

@@ -24,15 +24,15 @@ PRIVATE_HOST = "127.0.0.1"
 
 @dataclass(frozen=True)
 class FrontFlags:
-    """The flags of vsup's front (vsup/front)."""
+    """The flags of vsup's front (vsup/front); their defaults are `vsup serve`'s."""
 
-    resume_timeout: float = 120.0
-    max_pending: int = 256
-    max_resumes: int = 2
+    resume_timeout: float
+    max_pending: int
+    max_resumes: int
 
 
 def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | None, extra: tuple[str, ...],
-                    api_key: str | None, front: FrontFlags = FrontFlags()) -> tuple[Plan, str]:
+                    api_key: str | None, front: FrontFlags) -> tuple[Plan, str]:
     """The plan, and the private URL where vLLM serves behind the front."""
     binary = find_vllm(vllm_bin)
     cpu_workers = [p for p in vllm_plan(config).processes if p.role == WORKER and p.device == "cpu"]
