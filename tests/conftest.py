@@ -2,6 +2,9 @@
 
 Pytest is a child subreaper, so a process re-parented when its supervisor died is still its
 descendant; every test and every module checks that it left no process and no /dev/shm entry.
+An entry counts as left behind only while no live process holds it: one that a process holds is
+that process's, and a process of this session is checked itself, while another session's (a second
+pytest) is none of this one's business and must not be removed.
 
 The tiny Llama-family checkpoints are written by transformers with weights
 re-drawn large enough (std 0.1, norms around 1, non-zero biases) that logits
@@ -50,6 +53,8 @@ class Snapshot:
             shm = set(os.listdir(SHM)) - self.shm
             if older:  # an older scope's deployment still runs (and may restart): its module checks /dev/shm
                 shm = set()
+            if shm:  # one that a live process holds is its, and that process is checked: maybe another session's
+                shm -= held_shm()
             if (not left and not shm) or time.monotonic() > deadline:
                 return left, sorted(shm)
             time.sleep(0.05)
@@ -100,6 +105,29 @@ def no_orphans_module(request):
     before = Snapshot()
     yield
     check_clean(before, f"module {request.module.__name__}")
+
+
+def held_shm() -> set[str]:
+    """The /dev/shm entries that any live process on this machine has mapped or open now. By inode: a
+    semaphore is mapped under the temporary name glibc made it with, then linked to its own."""
+    inodes = set()
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                inodes |= {int(line.split()[4]) for line in f if "/dev/shm/" in line}
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                if os.readlink(fd.path).startswith("/dev/shm/"):
+                    inodes.add(os.stat(fd.path).st_ino)
+        except (OSError, ValueError, IndexError):
+            pass
+    held = set()
+    for entry in os.scandir(SHM):
+        try:
+            if entry.inode() in inodes:
+                held.add(entry.name)
+        except OSError:
+            pass
+    return held
 
 
 def _alive(p: psutil.Process) -> bool:
