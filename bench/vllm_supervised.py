@@ -7,7 +7,8 @@ is reached through its front (vsup/front), so its figures hold the front's cost 
 - throughput at 16 and 64 streams of 64 tokens (goals: at least 0.98x for the supervision,
   0.97x with the front), and the ITL p50 the front adds (goal: at most 1 ms);
 - under vsup only: kill -9 of the worker under a running stream to that stream's next token
-  (the front resumes it on the new tree; bare vLLM fails it and exits), kill -9 of the worker
+  (the front resumes it on the new tree; bare vLLM fails it and exits), the same with
+  --replicas 2 (the front moves it to the other tree; goal: under 2 s), kill -9 of the worker
   to the next new request served, and the lines/s vsup's log router takes from a process of
   the tree.
 
@@ -57,11 +58,11 @@ def bare(children: Children, model_dir: str, log_dir: Path) -> Server:
                   env=serve_env(config, flags(model_dir, port), binds, None, len(kept)), model=MODEL_NAME)
 
 
-def supervised(children: Children, model_dir: str, home: Path, env: dict | None = None) -> Server:
+def supervised(children: Children, model_dir: str, home: Path, env: dict | None = None, replicas: int = 1) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "vsup", "serve", model_dir, "--engine", "vllm", "--port", str(port),
             "--name", f"b{port}", "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-            "--drain-timeout", "5", "--log-format", "json"]
+            "--drain-timeout", "5", "--log-format", "json", "--replicas", str(replicas)]
     return Server("vsup --engine vllm", argv, port, home / f"vsup-{port}.log", children,
                   env={"VSUP_HOME": str(home), **(env or {})}, model=MODEL_NAME)
 
@@ -126,8 +127,8 @@ def heal_and_flood(model_dir: str) -> dict:
 
         span = (datetime.fromisoformat(stamps[-1].rstrip("Z")) - datetime.fromisoformat(stamps[0].rstrip("Z")))
         lines_per_s = (len(stamps) - 1) / max(span.total_seconds(), 1e-6)
-        worker = next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker")
-        paused_s = pause_at_kill(server.url, worker)
+        paused_s = pause_at_kill(server.url, lambda: next(p["pid"] for p in ps(home, name)["processes"]
+                                                          if p["role"] == "worker"))
         worker = next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker" and p["pid"])
         killed = time.monotonic()
         os.kill(worker, signal.SIGKILL)
@@ -147,8 +148,35 @@ def heal_and_flood(model_dir: str) -> dict:
             "kill_worker_to_streams_next_token_s": paused_s}
 
 
-def pause_at_kill(url: str, worker: int) -> float | None:
-    """kill -9 of the worker once a stream has 8 tokens; the seconds to that same stream's next token."""
+def replicas_heal(model_dir: str) -> dict:
+    """Under vsup with --replicas 2: kill -9 of the worker of the tree that runs a stream, to that
+    stream's next token (the front moves it to the other tree)."""
+    import re
+
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-replicas-") as tmp, Children(grace_s=30) as children:
+        home = Path(tmp)
+        server = supervised(children, model_dir, home, replicas=2)
+        server.wait_ready(timeout_s=900)
+        name = server.proc.args[server.proc.args.index("--name") + 1]
+        deadline = time.monotonic() + 600  # both trees up, not just the first
+        while time.monotonic() < deadline and not all(p["state"] == "ready" for p in ps(home, name)["processes"]):
+            time.sleep(0.5)
+
+        def worker_of_busy_tree() -> int:
+            text = httpx.get(f"{server.url}/metrics", timeout=30).text
+            busy = re.search(r'^vllm:num_requests_running\{replica="r(\d+)"[^}]*\} ([1-9])', text, re.M)
+            r = int(busy[1]) if busy else 0
+            return next(p["pid"] for p in ps(home, name)["processes"] if p["role"] == "worker" and p.get("r") == r)
+        paused_s = pause_at_kill(server.url, worker_of_busy_tree)
+        server.stop()
+    return {"kill_worker_to_streams_next_token_s": paused_s}
+
+
+def pause_at_kill(url: str, victim) -> float | None:
+    """kill -9 of the worker `victim()` names once a stream has 8 tokens; the seconds to that same stream's
+    next token."""
     import httpx
 
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "stream": True,
@@ -160,6 +188,7 @@ def pause_at_kill(url: str, worker: int) -> float | None:
             if line.startswith("data: {"):
                 stamps.append(time.monotonic())
                 if len(stamps) == 8:
+                    worker = victim()
                     killed = time.monotonic()
                     os.kill(worker, signal.SIGKILL)
     after = [t for t in stamps if killed is not None and t > killed]
@@ -195,6 +224,10 @@ def main(argv: list[str] | None = None) -> None:
                      ["kill -9 of the worker -> the running stream's next token, s",
                       h["kill_worker_to_streams_next_token_s"]],
                      ["kill -9 of the worker -> next new request served, s", h["kill_worker_to_next_token_s"]]])
+        r = results["replicas"] = replicas_heal(model_dir)
+        print_table("under vsup, --replicas 2", ["figure", "value"],
+                    [["kill -9 of the worker -> the running stream's next token, s",
+                      r["kill_worker_to_streams_next_token_s"]]])
     write_results("vllm_supervised", results, run_mode)
 
 

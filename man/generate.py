@@ -114,9 +114,11 @@ ENVIRONMENT = {
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
     "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "
                         "PYTHONPATH: the supervisor's socket that every process of the tree connects its stdout "
-                        "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have) and VSUP_HOOK_SHM_LOG "
-                        "(where the hook lists the shared memory it saw created) go with it.",
+                        "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have), VSUP_HOOK_SHM_LOG "
+                        "(where the hook lists the shared memory it saw created) and VSUP_HOOK_REPLICA (the "
+                        "tree's replica, with --replicas) go with it.",
     "VSUP_HOOK_PARENT": "See VSUP_HOOK_SOCKET.",
+    "VSUP_HOOK_REPLICA": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_SHM_LOG": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_TEST_FD2": "Tests and benches only: {TITLE|TEXT[|COUNT]} makes the process of a vLLM tree "
                           "titled TITLE write TEXT to its fd 2 natively.",

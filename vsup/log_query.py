@@ -14,13 +14,13 @@ from vsup.errors import UsageError
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def make_filter(role, dp, pp, tp, level, since: datetime | None):
+def make_filter(role, dp, pp, tp, level, since: datetime | None, replica: int | None = None):
     minimum = LEVELS.index(level) if level else 0
 
     def match(r: dict) -> bool:
         if role is not None and r.get("role") != role:
             return False
-        for key, want in (("dp", dp), ("pp", pp), ("tp", tp)):
+        for key, want in (("r", replica), ("dp", dp), ("pp", pp), ("tp", tp)):
             if want is not None and r.get(key) != want:
                 return False
         if minimum and (r.get("level") not in LEVELS or LEVELS.index(r["level"]) < minimum):

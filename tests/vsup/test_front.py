@@ -11,6 +11,7 @@ rules fast, in every `make test`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -142,11 +143,12 @@ def _holds(ids, marker):
 class Front:
     """The front process, with the test as its supervisor."""
 
-    def __init__(self, upstream_port: int, *flags: str):
+    def __init__(self, upstream_port: int, *flags: str, more_upstreams: tuple[int, ...] = ()):
         self.port = free_port()
+        upstreams = [x for port in (upstream_port, *more_upstreams) for x in ("--upstream", f"http://127.0.0.1:{port}")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(self.port), "--upstream",
-             f"http://127.0.0.1:{upstream_port}", "--drain-timeout", "5", *flags],
+            [sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(self.port), *upstreams,
+             "--drain-timeout", "5", *flags],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "VSUP_API_KEY": KEY, "VSUP_FRONT_UPSTREAM_KEY": UPSTREAM_KEY})
         self.lines: list[str] = []  # read as it comes, or the front would block on a full pipe
@@ -166,8 +168,8 @@ class Front:
         except httpx.TransportError:
             return False
 
-    def tell(self, gen: int, up: bool, stopping: bool = False, restarts: dict | None = None):
-        self.proc.stdin.write(json.dumps({"gen": gen, "up": up, "stopping": stopping,
+    def tell(self, gen: int, up: bool, stopping: bool = False, restarts: dict | None = None, replica: int = 0):
+        self.proc.stdin.write(json.dumps({"replica": replica, "gen": gen, "up": up, "stopping": stopping,
                                           "restarts": restarts or {}}) + "\n")
         self.proc.stdin.flush()
 
@@ -176,16 +178,23 @@ class Front:
         self.proc.wait(10)
 
 
-@pytest.fixture
-def stand_in():
-    app = StandIn()
+@contextlib.contextmanager
+def serving(app: StandIn):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=app.port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, timeout=30, what="the stand-in listening")
-    yield app
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def stand_in():
+    with serving(StandIn()) as app:
+        yield app
 
 
 @pytest.fixture
@@ -317,3 +326,36 @@ def test_a_stopping_deployment_refuses_instead_of_holding(front, stand_in):
         front.client.completions.create(model="tiny", prompt="late", max_tokens=3)
     assert e.value.status_code == 503 and "stopping" in e.value.message
     assert httpx.get(f"{front.url}/health").status_code == 503
+
+
+def test_with_two_replicas_a_dead_trees_streams_move_to_the_other_at_once(stand_in):
+    """Replica 0 dies under its streams and stays down (no new tree): they go on on replica 1 at once,
+    with the same tokens. The front spread the 4 streams 2 and 2 (the least loaded first)."""
+    with serving(StandIn()) as other:
+        f = Front(stand_in.port, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20",
+                  more_upstreams=(other.port,))
+        try:
+            stand_in.on_death = lambda _: f.tell(1, False, replica=0)  # the dead tree: down, nothing new yet
+            other.on_death = lambda _: pytest.fail("replica 1 died")
+            f.tell(1, True, replica=0)
+            f.tell(2, True, replica=1)  # gens are unique across replicas
+            wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, timeout=10, what="the trees up")
+            stand_in.tokens_per_s = other.tokens_per_s = 50.0
+            stand_in.die_after = 6
+            results = {}
+
+            def run(i):
+                chunks = f.client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=20, stream=True)
+                results[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert results == {i: fault_free_text(f"story {i}", 20) for i in range(4)}
+            assert len(stand_in.bodies) == 2 and len(other.bodies) == 4  # 2 each, then replica 0's 2 moved
+            moved = other.bodies[2:]
+            assert all(len(b["prompt"]) > len("story 0") for b in moved)  # resumed from their IDs
+            assert httpx.get(f"{f.url}/health").status_code == 200  # replica 1 serves on
+        finally:
+            f.close()

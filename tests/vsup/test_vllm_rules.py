@@ -10,11 +10,12 @@ import pytest
 
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
-from vsup.vllm.args import (GIB, ServeFlags, cpu_kv_cache_gib, cpu_placement, serve_argv, serve_env,
-                            unknown_flags)
+from vsup.front.metrics import merge_replicas
+from vsup.vllm.args import (GIB, ServeFlags, check_replicas, cpu_kv_cache_gib, cpu_placement, serve_argv,
+                            serve_env, unknown_flags)
 from vsup.vllm.help import parse_flags
 from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
-from vsup.vllm.plan import vllm_plan
+from vsup.vllm.plan import tree_roots, vllm_plan
 from vsup.vllm.progress import Progress, parse_metrics
 
 
@@ -42,6 +43,38 @@ def test_the_tree_follows_vllms_rules():
                             "plus 2 helpers: 12 in all")
     assert names(api_server_count=1, data_parallel_size=2)[1] == ("api-server a0", "vllm serve")
     assert ("worker dp0 pp1 tp0", "VLLM::Worker_PP1") in names(pipeline_parallel_size=2)
+
+
+def test_replicas_are_whole_trees_named_by_their_replica():
+    plan = vllm_plan(ParallelConfig(tensor_parallel_size=2), replicas=2)
+    assert plan.formula == "1 front + 2 api-servers + 2 engine-cores + 4 workers = 9 processes, plus 2 helpers: 11 in all"
+    assert [p.name for p in plan.processes] == [
+        "front", "api-server r0 a0", "engine-core r0 dp0", "worker r0 dp0 pp0 tp0", "worker r0 dp0 pp0 tp1",
+        "helper r0 resource-tracker", "api-server r1 a0", "engine-core r1 dp0", "worker r1 dp0 pp0 tp0",
+        "worker r1 dp0 pp0 tp1", "helper r1 resource-tracker"]
+    assert [p.name for p in tree_roots(plan)] == ["api-server r0 a0", "api-server r1 a0"]
+    assert plan.processes[8].to_json()["r"] == 1 and "r" not in vllm_plan(ParallelConfig()).processes[1].to_json()
+    cuda = vllm_plan(ParallelConfig(device="cuda", tensor_parallel_size=2), replicas=2)
+    assert [p.device for p in cuda.processes if p.role == "worker"] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(UsageError, match="--replicas is for --engine vllm"):
+        check_replicas(False, 2)
+    with pytest.raises(UsageError, match="at least 1"):
+        check_replicas(True, 0)
+
+
+def test_replicas_metrics_are_one_text_labelled_by_replica():
+    one = ("# HELP vllm:num_requests_running Requests.\n# TYPE vllm:num_requests_running gauge\n"
+           'vllm:num_requests_running{engine="0"} 1.0\n'
+           "# HELP vllm:e2e Latency.\n# TYPE vllm:e2e histogram\n"
+           'vllm:e2e_bucket{le="0.1"} 2.0\nvllm:e2e_count 2.0\n')
+    merged = merge_replicas({0: one, 1: one.replace("1.0", "3.0")}).splitlines()
+    assert merged == ["# HELP vllm:num_requests_running Requests.", "# TYPE vllm:num_requests_running gauge",
+                      'vllm:num_requests_running{replica="r0",engine="0"} 1.0',
+                      'vllm:num_requests_running{replica="r1",engine="0"} 3.0',
+                      "# HELP vllm:e2e Latency.", "# TYPE vllm:e2e histogram",
+                      'vllm:e2e_bucket{replica="r0",le="0.1"} 2.0', 'vllm:e2e_count{replica="r0"} 2.0',
+                      'vllm:e2e_bucket{replica="r1",le="0.1"} 2.0', 'vllm:e2e_count{replica="r1"} 2.0']
+    assert merge_replicas({}) == ""
 
 
 def test_vllms_names_are_vsups_names():

@@ -20,6 +20,7 @@ def logs(
     dp: o.DpRank = None,
     pp: o.PpRank = None,
     tp: o.TpRank = None,
+    replica: o.ReplicaIndex = None,
     level: o.Level = None,
     since: o.Since = None,
     lines: o.Lines = None,
@@ -38,7 +39,7 @@ def logs(
     if lines is not None and lines < 0:
         raise UsageError(f"-n/--lines must be at least 0 (got {lines})")
     run_dir = RunDir(name).require()
-    match = make_filter(role, dp, pp, tp, level, parse_since(since) if since else None)
+    match = make_filter(role, dp, pp, tp, level, parse_since(since) if since else None, replica)
     width = 22
     color = sys.stdout.isatty()
 

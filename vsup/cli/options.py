@@ -53,6 +53,11 @@ ApiServerCount = Annotated[Optional[int], _option(
     "--api-server-count", panel=PARALLEL, show_default=False,
     help="API server processes sharing the port; with --headless, how many the head node runs (this node "
          "runs none).  [default: the DP size]")]
+Replicas = Annotated[int, _option(
+    "--replicas", panel=PARALLEL,
+    help="With --engine vllm: whole vLLM trees behind the one front, each on its own cores or GPUs. When one "
+         "dies, the front sends its requests on to another at once, and `vsup restart --rolling` restarts "
+         "them one at a time.")]
 DpSizeLocal = Annotated[Optional[int], _option(
     "--dp-size-local", panel=PARALLEL, show_default=False,
     help="DP ranks that run on this node.  [default: all of them]")]
@@ -214,6 +219,11 @@ Role = Annotated[Optional[str], _option(
 DpRank = Annotated[Optional[int], _option("--dp", show_default=False, help="Only this data-parallel rank.")]
 PpRank = Annotated[Optional[int], _option("--pp", show_default=False, help="Only this pipeline stage.")]
 TpRank = Annotated[Optional[int], _option("--tp", show_default=False, help="Only this tensor-parallel rank.")]
+ReplicaIndex = Annotated[Optional[int], _option(
+    "--replica", show_default=False, help="Only this vLLM replica (of --replicas; `r1` is 1).")]
+Rolling = Annotated[bool, _option(
+    "--rolling", help="Every vLLM replica in turn (or the one of --replica): each is drained (the front sends "
+                      "it nothing new), restarted, and serving again before the next one goes.")]
 Level = Annotated[Optional[str], _option(
     "--level", show_default=False, help="This level and above: debug, info, warning, error.")]
 Since = Annotated[Optional[str], _option(

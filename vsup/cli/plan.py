@@ -21,6 +21,7 @@ def plan(
     pipeline_parallel_size: o.PipelineParallelSize = 1,
     data_parallel_size: o.DataParallelSize = 1,
     api_server_count: o.ApiServerCount = None,
+    replicas: o.Replicas = 1,
     dp_size_local: o.DpSizeLocal = None,
     dp_start_rank: o.DpStartRank = None,
     headless: o.Headless = False,
@@ -52,12 +53,15 @@ def plan(
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
         dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, device=device.value, multiprocessing=multiprocessing)
+    from vsup.vllm.args import check_replicas
+
+    check_replicas(engine == o.EngineKind.vllm, replicas)
     if engine == o.EngineKind.vllm:
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan
 
         check_supported(config)
-        the_plan = vllm_plan(config)
+        the_plan = vllm_plan(config, replicas=replicas)
     else:
         the_plan = make_plan(config)
     shape = memory = None

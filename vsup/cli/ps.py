@@ -14,7 +14,8 @@ app = typer.Typer()
 
 
 @app.command()
-def ps(name: o.Name = "default", as_json: o.Json = False, watch: o.Watch = False, interval: o.Interval = 2.0) -> None:
+def ps(name: o.Name = "default", replica: o.ReplicaIndex = None, as_json: o.Json = False, watch: o.Watch = False,
+       interval: o.Interval = 2.0) -> None:
     """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
 
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process
@@ -25,22 +26,23 @@ def ps(name: o.Name = "default", as_json: o.Json = False, watch: o.Watch = False
     run_dir = RunDir(name).require()
     if watch and not as_json:
         while True:  # like top: redraw in place until Ctrl-C
-            screen = render(snapshot(run_dir))
+            screen = render(snapshot(run_dir, replica))
             typer.echo("\x1b[H\x1b[2J" + screen if sys.stdout.isatty() else screen + "\n")
             try:
                 time.sleep(interval)
             except KeyboardInterrupt:
                 return
-    state = snapshot(run_dir)
+    state = snapshot(run_dir, replica)
     if as_json:
         typer.echo(json.dumps(state, indent=2))
     else:
         typer.echo(render(state))
 
 
-def snapshot(run_dir) -> dict:
+def snapshot(run_dir, replica: int | None = None) -> dict:
     """The live state from the supervisor, else the last one it wrote, with orphans marked; other
-    nodes' processes (a head node's view) with their state as the API server sees it."""
+    nodes' processes (a head node's view) with their state as the API server sees it. With `replica`,
+    only that vLLM replica's processes."""
     from vsup.supervisor.control import request
 
     try:
@@ -54,6 +56,12 @@ def snapshot(run_dir) -> dict:
             p["cpu_percent"] = p["rss_bytes"] = None
             if p.get("pid") is not None and still_running(p["pid"], p["title"]):
                 p["state"] = "orphaned"  # outlived its supervisor: it may still hold memory
+    if replica is not None:
+        if not any(p.get("r") is not None for p in state["processes"]):
+            from vsup.errors import UsageError
+            raise UsageError(f"--replica {replica}: deployment {run_dir.name!r} has no replicas (vsup serve "
+                             f"--engine vllm --replicas N)")
+        state["processes"] = [p for p in state["processes"] if p.get("r") == replica]
     return state
 
 

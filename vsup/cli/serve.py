@@ -24,6 +24,7 @@ def serve(
     pipeline_parallel_size: o.PipelineParallelSize = 1,
     data_parallel_size: o.DataParallelSize = 1,
     api_server_count: o.ApiServerCount = None,
+    replicas: o.Replicas = 1,
     dp_size_local: o.DpSizeLocal = None,
     dp_start_rank: o.DpStartRank = None,
     headless: o.Headless = False,
@@ -70,7 +71,8 @@ def serve(
     With --engine vllm it starts a stock `vllm serve` (flags after `--` go to
     it unchanged) on a private port and supervises the tree vLLM builds as
     one unit; vsup's front holds --host/--port and resumes the requests of a
-    tree that died on the next one.
+    tree that died on the next one. With --replicas N, N such trees: the
+    requests of one that died go on at once on another.
     """
     from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
     from vsup.rundir import RunDir
@@ -96,6 +98,9 @@ def serve(
         policy = RestartPolicy(restart_policy.value, max_restarts=max_restarts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from vsup.vllm.args import check_replicas
+
+    check_replicas(engine == o.EngineKind.vllm, replicas)
     run_dir = RunDir(name)
     if not headless:
         check_port_free(host, port)
@@ -113,11 +118,11 @@ def serve(
                            drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
                            max_model_len=max_model_len,
                            kv_cache_bytes=memory.stages[0].kv_cache_bytes if kv_cache_memory else None)
-        the_plan, upstream = vllm_deployment(config, flags, vllm_bin, extra, api_key,
-                                             FrontFlags(resume_timeout, max_pending, max_resumes))
+        the_plan, upstreams = vllm_deployment(config, flags, vllm_bin, extra, api_key,
+                                              FrontFlags(resume_timeout, max_pending, max_resumes), replicas)
         run_dir.create()
         run_dir.lock()
-        vllm = {"probe_url": upstream, "health_timeout": health_timeout, "hang_timeout": hang_timeout}
+        vllm = {"probe_urls": upstreams, "health_timeout": health_timeout, "hang_timeout": hang_timeout}
         code, message = supervise(the_plan, run_dir, model_dir, f"http://{host}:{port}", policy, log_format.value,
                                   {}, drain_timeout, stop_timeout, startup_timeout, vllm=vllm)
         if code:

@@ -43,21 +43,36 @@ def supervisor_alive(pid: int | None) -> bool:
 
 
 @app.command()
-def restart(role: o.Role = None, dp: o.DpRank = None, name: o.Name = "default") -> None:
-    """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group)."""
+def restart(role: o.Role = None, dp: o.DpRank = None, replica: o.ReplicaIndex = None, rolling: o.Rolling = False,
+            name: o.Name = "default") -> None:
+    """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group).
+
+    With --engine vllm a unit is a whole vLLM tree (of --replica); --rolling restarts every replica in turn,
+    each drained first, losing no request and keeping the others serving.
+    """
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
     from vsup.topology import COUNTED
 
-    if role not in COUNTED:  # None too: --role is required
-        raise UsageError(f"--role must be one of {', '.join(COUNTED)} (got {role!r})")
+    if rolling and role is not None:
+        raise UsageError("--rolling restarts whole vLLM replicas: give it without --role (and --replica N for one)")
+    if not rolling and role not in COUNTED:  # None too: --role is required
+        raise UsageError(f"--role must be one of {', '.join(COUNTED)} (got {role!r}), or give --rolling")
     run_dir = RunDir(name).require()
+    if (rolling or replica is not None) and run_dir.read_state()["supervisor"].get("engine") != "vllm":
+        raise UsageError(f"--rolling and --replica are for --engine vllm; {name!r} runs vsup's own engine")
     try:
-        answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp})
+        answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp,
+                                                       "replica": replica, "rolling": rolling})
     except OSError:
         typer.echo(f"deployment {name!r} is not running", err=True)
         raise typer.Exit(1) from None
     if not answer.get("ok"):
-        typer.echo(f"no running {role}{f' with --dp {dp}' if dp is not None else ''} in {name!r}", err=True)
+        if rolling:
+            typer.echo(f"no rolling restart of {name!r} now: every replica must be serving, and no other rolling "
+                       f"restart under way", err=True)
+        else:
+            where = "".join(f" with --{k} {v}" for k, v in (("dp", dp), ("replica", replica)) if v is not None)
+            typer.echo(f"no running {role}{where} in {name!r}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"restarting {', '.join(answer['units'])}")
+    typer.echo(f"{'rolling restart of' if rolling else 'restarting'} {', '.join(answer['units'])}")

@@ -19,7 +19,8 @@ def main() -> None:
                                      description="Every value comes from `vsup serve`, which has the defaults.")
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--upstream", required=True, help="vLLM's private URL")
+    parser.add_argument("--upstream", required=True, action="append",
+                        help="vLLM's private URL, once per replica (in replica order)")
     parser.add_argument("--resume-timeout", type=float, required=True)
     parser.add_argument("--max-pending", type=int, required=True)
     parser.add_argument("--max-resumes", type=int, required=True)
@@ -45,7 +46,7 @@ def main() -> None:
                             lifespan="on", timeout_graceful_shutdown=args.drain_timeout,
                             timeout_keep_alive=30, backlog=2048)
     server = uvicorn.Server(config)
-    log("listening", host=args.host, port=args.port, upstream=args.upstream)
+    log("listening", host=args.host, port=args.port, upstreams=args.upstream)
     server.run()
 
 

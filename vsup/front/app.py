@@ -6,8 +6,14 @@ held until the supervisor says a new tree is up, then goes on from its token
 IDs (vsup/front/resume.py), so the client sees a pause and no error. What vLLM
 itself rejects (4xx) passes through unchanged and is never retried.
 
-The supervisor tells the front of each tree on its stdin, one JSON line per
-change: {"gen": N, "up": bool, "stopping": bool, "restarts": {role: count}}.
+With --replicas N there are N trees, each on its own private port: a request
+goes to the least loaded one that is up, and one that a tree dropped goes on at
+once on another that is up.
+
+The supervisor tells the front of each tree on its stdin, one JSON line per tree
+and change: {"replica": R, "gen": N, "up": bool, "stopping": bool, "restarts":
+{role: count}}. Gens are unique across replicas: a request remembers the gens it
+died on, and never goes back to one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from vsup.front.metrics import merge_replicas
 from vsup.front.resume import DONE, ROUTES, Generation, charge, not_resumable, sse, sse_events, stream_error
 from vsup.topology import ROLES
 from vsup.vllm.names import HELPER
@@ -56,20 +63,32 @@ class Refused(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
 
-class Tree:
-    """What the supervisor last said of the vLLM tree behind the front."""
+class Trees:
+    """What the supervisor last said of each vLLM tree behind the front (one per replica)."""
 
-    def __init__(self):
-        self.gen, self.up, self.stopping, self.restarts = 0, False, False, {}
+    def __init__(self, replicas: int):
+        self.gens, self.ups = [0] * replicas, [False] * replicas
+        self.stopping, self.restarts = False, {}
         self._changed = asyncio.Event()
 
     def update(self, message: dict) -> None:
-        self.gen = int(message.get("gen", self.gen))
-        self.up = bool(message.get("up"))
+        r = int(message.get("replica") or 0)
+        if not 0 <= r < len(self.gens):
+            raise ValueError(f"replica {r}")
+        self.gens[r] = int(message.get("gen", self.gens[r]))
+        self.ups[r] = bool(message.get("up"))
         self.stopping = bool(message.get("stopping"))
         self.restarts = dict(message.get("restarts") or {})
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def up(self, avoid: set[int] = frozenset()) -> list[int]:
+        """The replicas up now, but not those whose tree is one of the gens `avoid`."""
+        return [r for r, (gen, up) in enumerate(zip(self.gens, self.ups)) if up and gen not in avoid]
+
+    def lives(self, gen: int) -> bool:
+        """Whether tree `gen` is still the one up on its replica."""
+        return any(g == gen and up for g, up in zip(self.gens, self.ups))
 
     async def changed(self, timeout: float) -> None:
         try:
@@ -79,12 +98,14 @@ class Tree:
 
 
 class Front:
-    def __init__(self, upstream: str, upstream_key: str | None, api_key: str | None, resume_timeout: float,
+    def __init__(self, upstreams: list[str], upstream_key: str | None, api_key: str | None, resume_timeout: float,
                  max_pending: int, max_resumes: int):
-        self.upstream, self.upstream_key, self.api_key = upstream, upstream_key, api_key
+        self.upstreams, self.upstream_key, self.api_key = upstreams, upstream_key, api_key
         self.resume_timeout, self.max_pending, self.max_resumes = resume_timeout, max_pending, max_resumes
-        self.tree = Tree()
-        self.client: httpx.AsyncClient | None = None
+        self.trees = Trees(len(upstreams))
+        self.clients: list[httpx.AsyncClient] = []
+        self.bound: dict[int, int] = {}  # generation id -> the gen of the tree it runs on (the load of each)
+        self.turn = 0  # (among replicas as loaded: round robin)
         self.pending = 0  # requests waiting for a tree
         self.probe = asyncio.Lock()  # a request that may have killed the tree runs alone until a token comes out
         self.probing: dict[int, Generation] = {}  # tree gen -> the request probing it
@@ -110,13 +131,15 @@ class Front:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=5.0),
-                                                limits=httpx.Limits(max_connections=None,
-                                                                    max_keepalive_connections=512))
+                self.clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=5.0),
+                                                  limits=httpx.Limits(max_connections=None,
+                                                                      max_keepalive_connections=512))
+                                for url in self.upstreams]
                 self.reader = asyncio.get_running_loop().create_task(self._read_supervisor())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.client.aclose()
+                for client in self.clients:
+                    await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -126,7 +149,7 @@ class Front:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
             try:
-                self.tree.update(json.loads(line))
+                self.trees.update(json.loads(line))
             except (ValueError, TypeError, AttributeError):
                 log("dropped a malformed line from the supervisor", "warning", line=line[:200].decode(errors="replace"))
         log("the supervisor is gone: exiting", "error")
@@ -163,46 +186,53 @@ class Front:
 
     # the tree
 
-    async def tree_after(self, dead_gen: int | None) -> int:
-        """The gen of a tree that is up (a newer one than `dead_gen`), holding the request until one is."""
-        tree = self.tree
-        if tree.up and (dead_gen is None or tree.gen > dead_gen):
-            return tree.gen
-        if tree.stopping:
-            raise Refused(503, "vsup is stopping this deployment")
-        if self.pending >= self.max_pending:
-            raise Refused(503, f"{self.pending} requests already wait for vLLM to come back (--max-pending "
-                               f"{self.max_pending}); retry later", retry_after=5)
-        self.pending += 1
-        deadline = time.monotonic() + self.resume_timeout
-        try:
-            while not (tree.up and (dead_gen is None or tree.gen > dead_gen)):
-                if tree.stopping:
-                    raise Refused(503, "vsup is stopping this deployment")
-                if time.monotonic() >= deadline:
-                    raise Refused(503, f"vLLM did not come back within --resume-timeout {self.resume_timeout:g} s",
-                                  retry_after=5)
-                await tree.changed(deadline - time.monotonic())
-            return tree.gen
-        finally:
-            self.pending -= 1
+    async def tree_after(self, avoid: set[int]) -> tuple[int, int]:
+        """(replica, gen) of a tree that is up and none of the gens `avoid` (those that died under the
+        request), the least loaded; holding the request until there is one."""
+        trees = self.trees
+        if not trees.up(avoid):
+            if trees.stopping:
+                raise Refused(503, "vsup is stopping this deployment")
+            if self.pending >= self.max_pending:
+                raise Refused(503, f"{self.pending} requests already wait for vLLM to come back (--max-pending "
+                                   f"{self.max_pending}); retry later", retry_after=5)
+            self.pending += 1
+            deadline = time.monotonic() + self.resume_timeout
+            try:
+                while not trees.up(avoid):
+                    if trees.stopping:
+                        raise Refused(503, "vsup is stopping this deployment")
+                    if time.monotonic() >= deadline:
+                        raise Refused(503, f"vLLM did not come back within --resume-timeout "
+                                           f"{self.resume_timeout:g} s", retry_after=5)
+                    await trees.changed(deadline - time.monotonic())
+            finally:
+                self.pending -= 1
+        up = trees.up(avoid)
+        self.turn += 1
+        load = {gen: 0 for gen in trees.gens}
+        for gen in self.bound.values():
+            load[gen] = load.get(gen, 0) + 1
+        r = min(up, key=lambda r: (load[trees.gens[r]], (r - self.turn) % len(trees.gens)))
+        return r, trees.gens[r]
 
     async def tree_died(self, gen: int) -> bool:
         """After a request failed on tree `gen`: whether that tree died (False: it lives, the failure was
         the request's own)."""
         deadline = time.monotonic() + GRACE_S
-        while self.tree.gen == gen and self.tree.up and time.monotonic() < deadline:
-            await self.tree.changed(deadline - time.monotonic())
-        return not (self.tree.gen == gen and self.tree.up)
+        while self.trees.lives(gen) and time.monotonic() < deadline:
+            await self.trees.changed(deadline - time.monotonic())
+        return not self.trees.lives(gen)
 
     # generations: streamed, held and resumed
 
     async def generate(self, g: Generation, headers: dict) -> Response:
         try:
-            opened = await self._submit(g, headers, None)
+            opened = await self._submit(g, headers, g.dead)
         except Refused as e:
-            return error_response(e.status, e.message, e.retry_after)
+            opened = error_response(e.status, e.message, e.retry_after)
         if isinstance(opened, Response):
+            self.bound.pop(id(g), None)  # (it counts in the load of a tree while it runs there)
             return opened
         if g.streams:
             return Streamed(self._stream(g, headers, opened), media_type="text/event-stream",
@@ -222,14 +252,15 @@ class Front:
                 yield sse(chunk)
         yield DONE
 
-    async def _submit(self, g: Generation, headers: dict, dead_gen: int | None):
-        """Send the generation (again) to a tree that is up: (response, gen), or a Response to pass on."""
+    async def _submit(self, g: Generation, headers: dict, dead: set[int]):
+        """Send the generation (again) to a tree that is up and not one of the `dead` gens: (response, gen),
+        or a Response to pass on."""
         while True:
             probing = g.charges > 0 and g.charges >= self.max_resumes  # its last chance: alone among suspects
             if probing:
                 await self.probe.acquire()
             try:
-                gen = await self.tree_after(dead_gen)
+                r, gen = await self.tree_after(dead)
             except Refused:
                 if probing:
                     self.probe.release()
@@ -238,9 +269,11 @@ class Front:
                 self.probing[gen] = g
             route, body = g.upstream()
             g.fresh_tokens = 0
+            self.bound[id(g)] = gen
+            client = self.clients[r]
             try:
-                response = await self.client.send(self.client.build_request("POST", route, json=body,
-                                                                              headers=headers), stream=True)
+                response = await client.send(client.build_request("POST", route, json=body, headers=headers),
+                                             stream=True)
             except httpx.TransportError:
                 response = None
             if response is not None and response.status_code < 500:
@@ -259,7 +292,7 @@ class Front:
                     raise Refused(502, "vLLM did not answer")
                 return Response(content, response.status_code, media_type=response.headers.get("content-type"))
             self._on_death(g, gen)
-            dead_gen = gen
+            dead.add(gen)
 
     def _end_probe(self, g: Generation, gen: int) -> None:
         if self.probing.get(gen) is g and self.probe.locked():
@@ -282,6 +315,13 @@ class Front:
 
     async def _chunks(self, g: Generation, headers: dict, opened):
         """The client's chunks, across as many trees as it takes; an error chunk ends them."""
+        try:
+            async for chunk in self._across_trees(g, headers, opened):
+                yield chunk
+        finally:
+            self.bound.pop(id(g), None)
+
+    async def _across_trees(self, g: Generation, headers: dict, opened):
         response, gen = opened
         while True:
             done = failed = False
@@ -328,7 +368,8 @@ class Front:
                     yield failure  # the tree lives: the failure was this request's own
                     return
                 self._on_death(g, gen)
-                opened = await self._submit(g, headers, gen)
+                g.dead.add(gen)
+                opened = await self._submit(g, headers, g.dead)
             except Refused as e:
                 yield error_body(e.status, e.message)
                 return
@@ -342,42 +383,48 @@ class Front:
 
     async def forward(self, request: Request, body: bytes) -> Response:
         headers = self._headers(request)
-        dead_gen = None
+        dead: set[int] = set()
         while True:
-            gen = await self.tree_after(dead_gen)
-            upstream = self.client.build_request(request.method, request.url.path, params=request.query_params,
-                                                 content=body, headers=headers)
+            r, gen = await self.tree_after(dead)
+            client = self.clients[r]
+            upstream = client.build_request(request.method, request.url.path, params=request.query_params,
+                                            content=body, headers=headers)
             try:
-                response = await self.client.send(upstream, stream=True)
+                response = await client.send(upstream, stream=True)
             except httpx.TransportError:
                 if not await self.tree_died(gen):
                     return error_response(502, "vLLM did not answer")
-                dead_gen = gen
+                dead.add(gen)
                 continue
             kept = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
             return Streamed(_relay(response), status_code=response.status_code, headers=kept)
 
     async def _health(self) -> Response:
-        if not self.tree.up:
-            return error_response(503, "vLLM is not up" + (" (stopping)" if self.tree.stopping else ""))
+        up = self.trees.up()
+        if not up:
+            return error_response(503, "vLLM is not up" + (" (stopping)" if self.trees.stopping else ""))
         try:
-            response = await self.client.get("/health", timeout=5.0)
+            response = await self.clients[up[0]].get("/health", timeout=5.0)
         except httpx.TransportError:
             return error_response(503, "vLLM does not answer /health")
         return Response(response.content, response.status_code)
 
     async def _metrics(self) -> Response:
-        """vLLM's own /metrics, with vsup's restart counters beside them: one scrape target."""
-        text = ""
-        if self.tree.up:
+        """vLLM's own /metrics (each replica's, labelled with it), with vsup's counters beside them: one
+        scrape target."""
+        texts = {}
+        for r in self.trees.up():
             try:
-                response = await self.client.get("/metrics", timeout=5.0)
-                text = response.text if response.status_code == 200 else ""
+                response = await self.clients[r].get("/metrics", timeout=5.0)
+                if response.status_code == 200:
+                    texts[r] = response.text
             except httpx.TransportError:
                 pass
+        text = texts.get(0, "") if len(self.clients) == 1 else merge_replicas(texts)
         lines = ["# HELP vsup_restarts_total vLLM trees vsup restarted, by the role whose process died.",
                  "# TYPE vsup_restarts_total counter"]
-        lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.tree.restarts.get(role, 0))}' for role in (*ROLES, HELPER)]
+        lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.trees.restarts.get(role, 0))}'
+                  for role in (*ROLES, HELPER)]
         lines += ["# HELP vsup_front_resumed_total Requests the front resumed on a new tree.",
                   "# TYPE vsup_front_resumed_total counter", f"vsup_front_resumed_total {self.resumed_total}",
                   "# HELP vsup_front_pending Requests waiting for a vLLM tree now.",

@@ -69,6 +69,7 @@ class Generation:
     charges: int = 0  # deaths in a row it was running at without a token coming out of it
     fresh_tokens: int = 0  # tokens since its last (re)submission
     usage_sent: bool = False
+    dead: set[int] = field(default_factory=set)  # the gens of the trees that died under it
 
     @property
     def wants_ids(self) -> bool:

@@ -45,7 +45,8 @@ class ControlServer:
             self.supervisor.request_stop("vsup stop")
             return {"ok": True, "pid": os.getpid()}
         if cmd == "restart":
-            restarted = self.supervisor.request_restart(request.get("role"), request.get("dp"))
+            restarted = self.supervisor.request_restart(request.get("role"), request.get("dp"),
+                                                        request.get("replica"), bool(request.get("rolling")))
             return {"ok": bool(restarted), "units": restarted}
         return {"error": f"unknown command {cmd!r}"}
 

@@ -3,8 +3,9 @@
 The supervisor starts it with a pipe on stdin and never writes to it. When the
 supervisor exits, however it exits, the pipe closes; the janitor then waits (at
 most 5 s) until the tree's processes are gone, removes the /dev/shm entries the
-tree made (listed in RUN_DIR/shm.txt) and its temporary dir, and exits. After a
-normal stop the supervisor has done this already and the janitor finds nothing.
+tree made (listed in RUN_DIR/shm.txt; with --replicas, RUN_DIR/rN/shm.txt for
+each) and its temporary dir, and exits. After a normal stop the supervisor has
+done this already and the janitor finds nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main(run_dir: str) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return
-    shm_sweep.sweep(path)
+    for tree_dir in [path, *sorted(path.glob("r[0-9]*"))]:  # (one dir per replica with --replicas)
+        shm_sweep.sweep(tree_dir)
 
 
 if __name__ == "__main__":

@@ -210,8 +210,10 @@ class Supervisor:
             child.restarts += 1
         self.start(unit.children)
 
-    def request_restart(self, role: str, dp: int | None) -> list[str]:
-        """`vsup restart`: the same path as a crash, for every unit of `role` (and DP rank)."""
+    def request_restart(self, role: str, dp: int | None, replica: int | None = None,
+                        rolling: bool = False) -> list[str]:
+        """`vsup restart`: the same path as a crash, for every unit of `role` (and DP rank). (Replicas
+        and rolling restarts are vLLM's: `vsup restart` refuses them here.)"""
         victims = [c for c in self.children if c.spec.role == role and (dp is None or c.spec.dp == dp) and c.alive]
         chosen = {c.unit for c in victims if self.units[c.unit].state == "running"}
         for child in victims:

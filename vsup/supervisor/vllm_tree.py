@@ -13,11 +13,17 @@ Before the tree, vsup's front (vsup/front) holds the public port; the
 supervisor tells it on its stdin when a tree goes down and when the next is
 up, so that it can hold and resume the requests of the dead one. The front
 is a unit of its own: it restarts alone.
+
+With `--replicas N` there are N trees (vsup/supervisor/vllm_replica.py), each a
+unit of its own: a death ends and restarts its tree only, while the front sends
+that tree's requests on to the others. `vsup restart --rolling` drains and
+restarts them one at a time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import selectors
@@ -26,7 +32,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vsup import procfs, shm_sweep
 from vsup.supervisor import notify
@@ -34,64 +40,50 @@ from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.control import listen_unix
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
-from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
+from vsup.supervisor.vllm_replica import Observed, Tree, unit_name
+from vsup.topology import FRONT, Plan
 from vsup.vllm import names
-from vsup.vllm.plan import RESOURCE_TRACKER, tree_root
+from vsup.vllm.plan import tree_roots
 from vsup.vllm.progress import Progress, parse_metrics
 
 PR_SET_CHILD_SUBREAPER = 36
-UNIT = "vllm"
 ATTRIBUTION_DELAY_S = 0.3
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm", "hook")
 
 
 @dataclass
 class VllmOptions:
-    probe_url: str  # where the supervisor itself asks /health and /metrics
+    probe_urls: list[str]  # where the supervisor itself asks /health and /metrics, one URL per replica
     health_timeout: float = 30.0
     hang_timeout: float = 120.0
 
 
-@dataclass
-class Observed:
-    """A process of the tree that vLLM started and the hook introduced."""
-
-    pid: int
-    ppid: int
-    pidfd: int | None
-    started_at: float = field(default_factory=time.time)
-    name: str | None = None
-    role: str | None = None
-    ranks: dict = field(default_factory=dict)
-    title: str | None = None
-    alive: bool = True
-    last_exit: str | None = None
-
-
 class VllmSupervisor(Supervisor):
-    """Runs one stock vLLM tree until it is stopped or its start limit is spent."""
+    """Runs the stock vLLM trees of one deployment until it is stopped or every tree's start limit is spent."""
 
     def __init__(self, plan: Plan, run_dir, options: Options, router, vllm: VllmOptions):
         super().__init__(plan, run_dir, options, router)
         self.vllm = vllm
-        self.root = Child(tree_root(plan), UNIT)
         self.front = Child(next(p for p in plan.processes if p.role == FRONT), FRONT)
-        self.children = [self.front, self.root]
-        self.units = {UNIT: Unit(UNIT, [self.root], options.restart_policy),
-                      FRONT: Unit(FRONT, [self.front], options.restart_policy)}
-        self.tree_gen = 0  # one more for every tree started: the front resumes on a newer one
+        roots = tree_roots(plan)
+        self.trees: list[Tree] = []
+        for spec, url in zip(roots, vllm.probe_urls, strict=True):
+            root = Child(spec, unit_name(spec.r))
+            tree_dir = run_dir.path if spec.r is None else run_dir.path / f"r{spec.r}"
+            tree_dir.mkdir(mode=0o700, exist_ok=True)
+            self.trees.append(Tree(spec.r, root, Unit(root.unit, [root], options.restart_policy), url, tree_dir,
+                                   plan))
+        self.children = [self.front, *(t.root for t in self.trees)]
+        self.units = {FRONT: Unit(FRONT, [self.front], options.restart_policy),
+                      **{t.unit.name: t.unit for t in self.trees}}
+        self.gens = itertools.count(1)  # every tree started gets the next: the front resumes on another one
         self.front_w: int | None = None
-        self.tree: dict[int, Observed] = {}
+        self.tree_of: dict[int, Tree] = {}  # pid -> its tree (written on the router's thread too)
         self.history: dict[str, dict] = {p.name: {"restarts": 0, "last_exit": None} for p in plan.processes}
-        self.by_role: dict[str, int] = {}
         self.hellos: deque[dict] = deque()
         self.last_level: dict[tuple[int, str], str] = {}  # a traceback's or warning's next lines keep its level
-        self.probes: deque[tuple[float, bool, tuple | None]] = deque()
-        self.progress: Progress | None = None
-        self.started_tree_at = time.monotonic()
-        self.cause: str | None = None  # why the current tree is being ended
-        self.first_death: tuple | None = None  # (process, when to look): a death not yet attributed
-        self.shm_noted: set[str] = set()
+        self.probes: deque[tuple[Tree, float, bool, tuple | None]] = deque()
+        self.rolling: deque[Tree] = deque()  # `vsup restart --rolling`: the trees still to drain and restart
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.hook_path = str(run_dir.path / "hook.sock")
@@ -115,71 +107,36 @@ class VllmSupervisor(Supervisor):
     # who is who
 
     def on_hello(self, hello: dict) -> None:
-        """Called on the router's thread when a process of the tree connects."""
+        """Called on the router's thread when a process of a tree connects (the hello names its replica)."""
+        try:
+            self.tree_of[int(hello["pid"])] = self.trees[int(hello.get("replica") or 0)]
+        except (ValueError, TypeError, IndexError):
+            return
         self.hellos.append(hello)
         os.write(self.wake_w, b"h")
 
     def _introduce(self, hello: dict) -> None:
         pid = int(hello["pid"])
-        if pid == self.root.pid or pid in self.tree:
+        tree = self.tree_of[pid]
+        if tree.owns(pid):
             return
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
             return  # already gone
-        proc = self.tree[pid] = Observed(pid, int(hello.get("ppid") or 0), pidfd)
+        proc = tree.procs[pid] = Observed(pid, int(hello.get("ppid") or 0), pidfd)
         self.selector.register(pidfd, selectors.EVENT_READ, proc)
-        self._resolve(proc)
+        tree.resolve(proc)
         self.save()
-
-    def _resolve(self, proc: Observed) -> None:
-        """Its vsup name and title, from its command line: re-read until vLLM has titled it for good (a
-        spawned process starts as `python -c ...`, a worker is titled twice)."""
-        if proc.name and proc.title and (proc.title.startswith(names.TITLE_PREFIX) or proc.role == names.HELPER):
-            return
-        title = procfs.cmdline(proc.pid)
-        if title is None:
-            return
-        proc.title = title
-        role = names.role_of_title(title.split(" "))
-        if role is not None and (role.settled or proc.name is None):
-            self._name(proc, role)
-        elif proc.name is None and names.started_by_multiprocessing(title) and \
-                (guess := self._by_parent(proc)) is not None:
-            self._name(proc, guess)
-
-    def _by_parent(self, proc: Observed) -> names.Role | None:
-        """Before vLLM titles a spawned process, its parent may already say what it is: a child of an
-        engine core is one of its workers; the one child of `vllm serve` that is not a helper is the
-        engine core when the plan has no other. (A process that vLLM runs otherwise, such as its
-        model-registry probe on a first start, is never guessed.)"""
-        parent = self.tree.get(proc.ppid)
-        if parent is not None and parent.role == ENGINE_CORE:
-            return names.Role(WORKER, settled=False)
-        if proc.ppid == self.root.pid and [p.role for p in self.plan.processes if p.role not in (
-                FRONT, WORKER, names.HELPER) and p.name != self.root.spec.name] == [ENGINE_CORE]:
-            return names.Role(ENGINE_CORE, dp=0)
-        return None
-
-    def _name(self, proc: Observed, role: names.Role) -> None:
-        if role.role == names.HELPER:
-            proc.role, proc.name = names.HELPER, f"{names.HELPER} {RESOURCE_TRACKER}"
-            return
-        if not role.settled:
-            workers = [p for p in self.plan.processes if p.role == WORKER]
-            if len(workers) != 1:
-                proc.role = WORKER
-                return
-            role = names.Role(WORKER, dp=workers[0].dp, pp=workers[0].pp, tp=workers[0].tp)
-        proc.role = role.role
-        proc.ranks = {k: getattr(role, k) for k in ("a", "dp", "pp", "tp") if getattr(role, k) is not None}
-        proc.name = process_name(role.role, **proc.ranks)
 
     def tag(self, line: str, stream: str, pid: int) -> dict:
         """The record of one line from the connection of process `pid` (on the router's thread)."""
         parsed = names.parse_line(line)
-        writer = parsed.prefix_pid if parsed.prefix_pid in self.tree or parsed.prefix_pid == self.root.pid else pid
-        who = self._who(writer, parsed.prefix_name)
+        tree = self.tree_of.get(pid, self.trees[0])
+        writer = parsed.prefix_pid if tree.owns(parsed.prefix_pid) else pid
+        who = tree.who(writer, parsed.prefix_name)
+        if tree.r is None:
+            del who["r"]
         level = parsed.level or (self.last_level.get((pid, stream)) if names.continues(line) else None) or \
             ("error" if stream == "stderr" else "info")
         self.last_level[(pid, stream)] = level
@@ -190,26 +147,6 @@ class VllmSupervisor(Supervisor):
             record["source"] = parsed.source
         return record
 
-    def _who(self, pid: int, prefix_name: str | None) -> dict:
-        root = self.root.spec
-        if pid == self.root.pid:
-            name, role, ranks = root.name, root.role, {"a": root.a}
-        else:
-            proc = self.tree.get(pid)
-            if proc is not None and proc.name is None:
-                self._resolve(proc)
-                if proc.name is None and prefix_name:
-                    role = names.role_of_name(prefix_name)
-                    if role is not None:
-                        self._name(proc, role)
-            if proc is None or proc.name is None:
-                role = proc.role if proc else None
-                return {"name": role or f"pid {pid}", "role": role, "a": None, "dp": None, "pp": None, "tp": None,
-                        "pid": pid}
-            name, role, ranks = proc.name, proc.role, proc.ranks
-        return {"name": name, "role": role, "a": ranks.get("a"), "dp": ranks.get("dp"), "pp": ranks.get("pp"),
-                "tp": ranks.get("tp"), "pid": pid}
-
     # the loop
 
     def run(self) -> int:
@@ -217,50 +154,65 @@ class VllmSupervisor(Supervisor):
             signal.signal(sig, lambda signum, _: self.request_stop(f"{signal.Signals(signum).name} received"))
         signal.set_wakeup_fd(self.wake_w)
         self.start_front()
-        self.start([self.root])
+        for tree in self.trees:
+            self.start_tree(tree)
         while not self.stopping:
             self.tick(timeout=self.next_timer())
-            if self.units[UNIT].state == "running" and self.state != "serving" and self.cause is None and \
-                    self.first_death is None and \
-                    time.monotonic() - self.started_tree_at > self.options.startup_timeout:
-                self.end_tree(f"startup timeout: /health not 200 after {self.options.startup_timeout:g} s",
-                              self.root)
+            now = time.monotonic()
+            for tree in self.trees:
+                if tree.unit.state != "running" or tree.cause is not None or tree.first_death is not None:
+                    continue
+                if tree.state != "serving" and now - tree.started_at > self.options.startup_timeout:
+                    self.end_tree(tree, f"startup timeout: /health not 200 after {self.options.startup_timeout:g} s",
+                                  tree.root)
+                elif tree.draining_until is not None and now > tree.draining_until:
+                    self.end_tree(tree, "rolling restart: still draining after --drain-timeout", tree.root)
         self.shutdown()
         return self.exit_code
 
     def next_timer(self) -> float:
-        wait = super().next_timer()
-        return min(wait, max(0.0, self.first_death[1] - time.monotonic())) if self.first_death else wait
+        waits = [t.first_death[1] - time.monotonic() for t in self.trees if t.first_death]
+        return max(0.0, min([super().next_timer(), *waits]))
 
     def tick(self, timeout: float | None) -> None:
         super().tick(timeout)
-        if self.first_death is not None and time.monotonic() >= self.first_death[1] and not self.stopping:
-            self._attribute()
+        for tree in self.trees:
+            if tree.first_death is not None and time.monotonic() >= tree.first_death[1] and not self.stopping:
+                self._attribute(tree)
         while self.hellos:
             self._introduce(self.hellos.popleft())
         while self.probes:
             self.on_probe(*self.probes.popleft())
 
-    def start(self, children: list[Child]) -> None:
-        run_dir = self.run_dir.path
-        tmp = shm_sweep.make_tmp_dir(run_dir)
+    def start_tree(self, tree: Tree) -> None:
+        tmp = shm_sweep.make_tmp_dir(tree.dir)
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
-               "VSUP_HOOK_SHM_LOG": str(run_dir / shm_sweep.LIST), "TMPDIR": str(tmp),
+               "VSUP_HOOK_REPLICA": str(tree.r or 0),
+               "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "TMPDIR": str(tmp),
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
-        out, err = self.root.spawn(env)
-        tag = {"name": self.root.spec.name, "role": self.root.spec.role, "a": self.root.spec.a, "dp": None,
-               "pp": None, "tp": None, "pid": self.root.pid}
+        root = tree.root
+        out, err = root.spawn(env)
+        self.tree_of[root.pid] = tree
+        tag = {"name": root.spec.name, "role": root.spec.role, **({"r": tree.r} if tree.r is not None else {}),
+               "a": root.spec.a, "dp": None, "pp": None, "tp": None, "pid": root.pid}
         self.router.add(out, "stdout", tag)
         self.router.add(err, "stderr", tag)
-        self.selector.register(self.root.pidfd, selectors.EVENT_READ, self.root)
-        self.started_tree_at = time.monotonic()
-        self.progress, self.cause, self.tree, self.state = None, None, {}, "starting"
-        self.tree_gen += 1
-        self.log("started", process=self.root.spec.name, pid=self.root.pid, argv=" ".join(self.root.spec.argv))
+        self.selector.register(root.pidfd, selectors.EVENT_READ, root)
+        tree.started_at, tree.gen = time.monotonic(), next(self.gens)
+        tree.progress, tree.cause, tree.procs, tree.state, tree.draining_until = None, None, {}, "starting", None
+        self.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
+        self._overall()
         self.tell_front()
         self.save()
+
+    def _overall(self) -> None:
+        """The deployment's state from its trees': serving while any tree serves."""
+        if self.stopping:
+            return
+        states = {t.state for t in self.trees}
+        self.state = "serving" if "serving" in states else "restarting" if "restarting" in states else "starting"
 
     # the front
 
@@ -280,13 +232,18 @@ class VllmSupervisor(Supervisor):
         self.tell_front()
 
     def tell_front(self) -> None:
-        """Say to the front what the tree is now: its gen, whether it serves, whether vsup is stopping."""
+        """Say to the front what each tree is now: its gen, whether it takes requests, whether vsup is
+        stopping; and the restarts so far, by role."""
         if self.front_w is None:
             return
-        up = self.state == "serving" and self.cause is None and self.first_death is None
-        line = json.dumps({"gen": self.tree_gen, "up": up, "stopping": self.stopping, "restarts": self.by_role})
+        restarts: dict[str, int] = {}
+        for tree in self.trees:
+            for role, n in tree.by_role.items():
+                restarts[role] = restarts.get(role, 0) + n
+        lines = [json.dumps({"replica": tree.r or 0, "gen": tree.gen, "up": tree.up, "stopping": self.stopping,
+                             "restarts": restarts}) + "\n" for tree in self.trees]
         try:
-            os.write(self.front_w, line.encode() + b"\n")
+            os.write(self.front_w, "".join(lines).encode())
         except (BlockingIOError, BrokenPipeError):
             pass  # (a front that does not read is dead, and restarts)
 
@@ -313,60 +270,69 @@ class VllmSupervisor(Supervisor):
     # health and progress
 
     def _probe_loop(self) -> None:
-        """/health every second (every 0.2 s while a tree starts: the front waits on it); vLLM's /metrics,
-        which costs its API server more to render, only as often as --hang-timeout needs."""
-        scraped = 0.0
-        while not self.probe_stop.wait(1.0 if self.state == "serving" else 0.2):
-            asked = time.monotonic()
-            healthy = self._get("/health") is not None
-            scrape = healthy and self.state == "serving" and asked - scraped >= min(5.0, self.vllm.hang_timeout / 8)
-            text = self._get("/metrics") if scrape else None
-            scraped = asked if scrape else scraped
-            self.probes.append((asked, healthy, parse_metrics(text) if text else None))
+        """Each tree's /health every second (every 0.2 s while one starts: the front waits on it); vLLM's
+        /metrics, which costs its API server more to render, only as often as --hang-timeout needs."""
+        scraped = {id(t): 0.0 for t in self.trees}
+        while not self.probe_stop.wait(1.0 if all(t.state == "serving" for t in self.trees) else 0.2):
+            for tree in self.trees:
+                asked = time.monotonic()
+                healthy = self._get(tree, "/health") is not None
+                scrape = healthy and tree.state == "serving" and \
+                    asked - scraped[id(tree)] >= min(5.0, self.vllm.hang_timeout / 8)
+                text = self._get(tree, "/metrics") if scrape else None
+                scraped[id(tree)] = asked if scrape else scraped[id(tree)]
+                self.probes.append((tree, asked, healthy, parse_metrics(text) if text else None))
             try:
                 os.write(self.wake_w, b"p")
             except OSError:
                 return
 
-    def _get(self, path: str) -> str | None:
+    @staticmethod
+    def _get(tree: Tree, path: str) -> str | None:
         try:
-            with urllib.request.urlopen(self.vllm.probe_url + path, timeout=3.0) as response:
+            with urllib.request.urlopen(tree.probe_url + path, timeout=3.0) as response:
                 return response.read().decode(errors="replace") if response.status == 200 else None
         except (OSError, ValueError):
             return None
 
-    def on_probe(self, asked: float, healthy: bool, metrics) -> None:
+    def on_probe(self, tree: Tree, asked: float, healthy: bool, metrics) -> None:
         """One probe's answers (asked at `asked`); a probe asked before this tree started says nothing of it."""
-        if self.units[UNIT].state != "running" or self.cause is not None or self.first_death is not None or \
-                self.stopping or asked < self.started_tree_at:
+        if tree.unit.state != "running" or tree.cause is not None or tree.first_death is not None or \
+                self.stopping or asked < tree.started_at:
             return
-        now = asked
-        for proc in self.tree.values():
-            self._resolve(proc)
-        if self.state != "serving":
+        for proc in tree.procs.values():
+            tree.resolve(proc)
+        if tree.state != "serving":
             if healthy:
-                self.state = "serving"
-                self.progress = Progress(self.vllm.health_timeout, self.vllm.hang_timeout, now)
-                self.log("ready", process=self.root.spec.name, pid=self.root.pid,
-                         seconds=round(time.monotonic() - self.started_tree_at, 1))
-                self.log(f"serving {self.options.model} on {self.options.url}")
-                notify.sd_notify("READY=1")
-                self._remember_shm()
+                tree.state = "serving"
+                tree.progress = Progress(self.vllm.health_timeout, self.vllm.hang_timeout, asked)
+                self.log("ready", process=tree.root.spec.name, pid=tree.root.pid,
+                         seconds=round(time.monotonic() - tree.started_at, 1))
+                if self.state != "serving":
+                    self.log(f"serving {self.options.model} on {self.options.url}")
+                    notify.sd_notify("READY=1")
+                self._overall()
+                self._remember_shm(tree)
                 self.tell_front()
                 self.save()
+                if self.rolling and self.rolling[0] is tree:
+                    self.rolling.popleft()
+                    self._roll_next()
             return
-        self._remember_shm()
+        if tree.draining_until is not None:
+            return  # (its requests finish; no new ones come)
+        self._remember_shm(tree)
         self._reap_adopted()
-        why = self.progress.update(now, healthy, metrics)
+        why = tree.progress.update(asked, healthy, metrics)
         if why:
-            self.end_tree(why, self.root)
+            self.end_tree(tree, why, tree.root)
 
-    def _remember_shm(self) -> None:
+    def _remember_shm(self, tree: Tree) -> None:
         """Note the /dev/shm entries the tree has mapped now (each once), to remove them when it is gone."""
-        pids = [self.root.pid, *(p.pid for p in self.tree.values() if p.alive)]
-        new = set().union(*(procfs.mapped_shm(pid) for pid in pids if pid)) - self.shm_noted
-        shm_sweep.record(self.run_dir.path, new)
-        self.shm_noted |= new
+        pids = [tree.root.pid, *(p.pid for p in tree.procs.values() if p.alive)]
+        new = set().union(*(procfs.mapped_shm(pid) for pid in pids if pid)) - tree.shm_noted
+        shm_sweep.record(tree.dir, new)
+        tree.shm_noted |= new
 
     # deaths and restarts
 
@@ -375,6 +341,7 @@ class VllmSupervisor(Supervisor):
         if proc is self.front:
             self._front_exited()
             return
+        tree = self.tree_of[proc.pid]
         if isinstance(proc, Child):
             proc.reap()
         else:
@@ -388,20 +355,20 @@ class VllmSupervisor(Supervisor):
         if isinstance(proc, Observed) and proc.role is None:  # a subprocess vLLM ran and waited for
             self.save()
             return
-        if self.cause is None and self.first_death is None and self.units[UNIT].state == "running":
+        if tree.cause is None and tree.first_death is None and tree.unit.state == "running":
             # the processes that follow it out (PR_SET_PDEATHSIG) die within milliseconds, but a killed
             # parent can still be tearing its threads down when its child's exit is seen: look a moment later
-            self.first_death = (proc, time.monotonic() + ATTRIBUTION_DELAY_S)
+            tree.first_death = (proc, time.monotonic() + ATTRIBUTION_DELAY_S)
             self.tell_front()
             return
-        self._sweep_if_gone()
+        self._sweep_if_gone(tree)
 
-    def _attribute(self) -> None:
+    def _attribute(self, tree: Tree) -> None:
         """The first death, a moment on: find the process whose end ended the tree, and end the rest."""
-        proc, _ = self.first_death
-        self.first_death = None
-        cause = self._first_to_die(proc)
-        name = self._name_of(cause)
+        proc, _ = tree.first_death
+        tree.first_death = None
+        cause = tree.first_to_die(proc)
+        name = tree.name_of(cause)
         if isinstance(cause, Observed) and cause.role == names.HELPER:
             self.log("helper exited", "warning", process=name, pid=cause.pid, exit=cause.last_exit)
             self.tell_front()  # the tree is still up
@@ -409,102 +376,102 @@ class VllmSupervisor(Supervisor):
             return
         for dead in {id(proc): proc, id(cause): cause}.values():
             if dead.last_exit is not None:
-                self.history.setdefault(self._name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
-        how = f"exited ({cause.last_exit})" if cause.last_exit else f"stopped {self._name_of(proc)} " \
+                self.history.setdefault(tree.name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
+        how = f"exited ({cause.last_exit})" if cause.last_exit else f"stopped {tree.name_of(proc)} " \
                                                                      f"({proc.last_exit})"
-        self.end_tree(f"{name} {how}", cause)
-        self._sweep_if_gone()
-
-    def _name_of(self, proc) -> str:
-        return proc.spec.name if isinstance(proc, Child) else (proc.name or f"pid {proc.pid}")
-
-    def _first_to_die(self, proc):
-        """The process whose end ended the tree. One whose parent is dead too followed it out
-        (PR_SET_PDEATHSIG), and one that exited 0 was told to by its parent (vLLM's processes never
-        end cleanly on their own, and an engine core stops its workers before it exits): the parent is."""
-        seen = set()
-        while isinstance(proc, Observed) and proc.ppid not in seen:
-            seen.add(proc.ppid)
-            parent = self.root if proc.ppid == self.root.pid else self.tree.get(proc.ppid)
-            if parent is None or parent is self.root and proc.last_exit == "exit 0":
-                break
-            if proc.last_exit != "exit 0" and (parent.popen.poll() is None if parent is self.root
-                                               else procfs.running(parent.pid)):
-                break
-            if parent is not self.root and parent.last_exit is None:
-                parent.last_exit = procfs.exit_status(parent.pid)
-            proc = parent
-        return proc
+        self.end_tree(tree, f"{name} {how}", cause)
+        self._sweep_if_gone(tree)
 
     def _reap_adopted(self) -> None:
-        """Reap the tree's processes that were re-parented to us (a subreaper) and have exited."""
+        """Reap the trees' processes that were re-parented to us (a subreaper) and have exited."""
         import psutil
 
+        ours = {self.front.pid, self.janitor.pid, *(t.root.pid for t in self.trees)}
         for child in psutil.Process().children():
-            if child.pid not in (self.root.pid, self.front.pid, self.janitor.pid):
+            if child.pid not in ours:
                 try:
                     if child.status() == psutil.STATUS_ZOMBIE:
                         _, status = os.waitpid(child.pid, os.WNOHANG)
-                        proc = self.tree.get(child.pid)
+                        tree = self.tree_of.get(child.pid)
+                        proc = tree.procs.get(child.pid) if tree else None
                         if proc is not None and proc.last_exit in (None, "exited"):
                             proc.last_exit = describe_exit(os.waitstatus_to_exitcode(status))
                 except (psutil.Error, ChildProcessError):
                     pass
 
-    def end_tree(self, why: str, cause) -> None:
-        """The first death (or a failed probe): end the rest of the tree, then restart it after backoff."""
-        self.cause = why
+    def end_tree(self, tree: Tree, why: str, cause) -> None:
+        """The first death (or a failed probe): end the rest of the tree, then restart it after backoff
+        (at once, uncounted, after a rolling restart's drain)."""
+        tree.cause = why
+        name = tree.name_of(cause)
+        unit = tree.unit
+        drained = tree.draining_until is not None
+        self.log("vllm tree drained" if drained else "vllm tree lost", "info" if drained else "error", why=why,
+                 process=name, unit=unit.name)
+        self._remember_shm(tree)
+        self._kill_tree(tree)
+        requested, unit.requested = unit.requested, False
+        tree.state = "restarting"
+        if drained:
+            unit.state, unit.restart_at = "backoff", time.monotonic()
+            self._overall()
+            self.tell_front()
+            self.save()
+            return
         role = cause.spec.role if isinstance(cause, Child) else cause.role
-        name = self._name_of(cause)
-        self.log("vllm tree lost", "error", why=why, process=name)
-        self._remember_shm()
-        self._kill_tree()
-        unit = self.units[UNIT]
         if name in self.history:
             self.history[name]["restarts"] += 1
-        self.by_role[role or "unknown"] = self.by_role.get(role or "unknown", 0) + 1
-        requested, unit.requested = unit.requested, False
+        tree.by_role[role or "unknown"] = tree.by_role.get(role or "unknown", 0) + 1
         # vLLM exits 0 after an engine death (its issue #48966): an exit vsup did not ask for is a failure
         if not unit.restart.wants_restart(1, requested):
-            self.fail(f"vllm tree lost: {why}; --restart-policy {unit.restart.policy.policy}{self._last_words(name)}")
+            self._give_up(tree, f"vllm tree lost: {why}; --restart-policy {unit.restart.policy.policy}"
+                                f"{self._last_words(name, tree)}")
             return
         delay = unit.restart.next_delay(time.monotonic(), unit.started_at)
         if delay is None:
             policy = unit.restart.policy
-            self.fail(f"vllm tree lost: {why}; {policy.max_restarts} restarts within {policy.window_s:g} s, "
-                      f"giving up{self._last_words(name)}")
+            self._give_up(tree, f"vllm tree lost: {why}; {policy.max_restarts} restarts within "
+                                f"{policy.window_s:g} s, giving up{self._last_words(name, tree)}")
             return
         unit.state, unit.restart_at = "backoff", time.monotonic() + delay
-        self.state = "restarting"
-        self.log("restarting", process=UNIT, delay_s=delay)
+        self.log("restarting", process=unit.name, delay_s=delay)
+        self._overall()
         self.tell_front()
         self.save()
 
-    def _last_words(self, name: str | None) -> str:
-        lines = [line for key in (name, self.root.spec.name) if key
+    def _give_up(self, tree: Tree, message: str) -> None:
+        """A tree that will not restart: the deployment fails with it unless another tree still can serve."""
+        tree.unit.state, tree.state = "failed", "failed"
+        if all(t.unit.state == "failed" for t in self.trees):
+            self.fail(message)
+            return
+        self.log(f"{tree.unit.name} failed; the other replicas go on", "error", why=message)
+        self._overall()
+        self.tell_front()
+        self.save()
+
+    def _last_words(self, name: str | None, tree: Tree) -> str:
+        lines = [line for key in (name, tree.root.spec.name) if key
                  for line in list(self.router.last_stderr.get(key, []))[-8:]]
         return ("; last error lines:\n" + "\n".join(f"    {line}" for line in lines[-10:])) if lines else ""
 
-    def _kill_tree(self) -> None:
-        if self.root.alive:
+    def _kill_tree(self, tree: Tree) -> None:
+        if tree.root.alive:
             try:
-                os.killpg(self.root.pid, signal.SIGKILL)
+                os.killpg(tree.root.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for proc in self.tree.values():
+        for proc in tree.procs.values():
             if proc.alive and proc.pidfd is not None:  # by pidfd: never a stranger who got the number
                 try:
                     signal.pidfd_send_signal(proc.pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
-    def _tree_alive(self) -> bool:
-        return self.root.alive or any(p.alive for p in self.tree.values())
-
-    def _sweep_if_gone(self) -> None:
-        if not self._tree_alive() and self.cause is not None:
-            removed = shm_sweep.sweep(self.run_dir.path)
-            self.shm_noted = set()
+    def _sweep_if_gone(self, tree: Tree) -> None:
+        if not tree.alive and tree.cause is not None:
+            removed = shm_sweep.sweep(tree.dir)
+            tree.shm_noted = set()
             if removed:
                 self.log("removed what the tree left in /dev/shm", "warning", entries=removed)
         self.save()
@@ -515,57 +482,87 @@ class VllmSupervisor(Supervisor):
             self.front.restarts += 1
             self.start_front()
             return
-        if self._tree_alive():
+        tree = next(t for t in self.trees if t.unit is unit)
+        if tree.alive:
             unit.restart_at = time.monotonic() + 0.1  # the killed processes have not exited yet
             return
         unit.state, unit.started_at = "running", time.monotonic()
-        self.root.restarts += 1
-        self.start([self.root])
+        tree.root.restarts += 1
+        self.start_tree(tree)
 
-    def request_restart(self, role: str, dp: int | None) -> list[str]:
-        """`vsup restart --role R`: the whole tree, counted under R, the way a crash would (the front:
-        itself alone, after it drained)."""
+    def request_restart(self, role: str | None, dp: int | None, replica: int | None = None,
+                        rolling: bool = False) -> list[str]:
+        """`vsup restart --role R`: each tree (of --replica) that has an R, counted under R, the way a crash
+        would (the front: itself alone, after it drained). `--rolling`: every tree in turn, each drained
+        first and none before the last is serving again."""
+        trees = [t for t in self.trees if replica is None or (t.r or 0) == replica]
+        if rolling:
+            if self.rolling or not trees or any(t.state != "serving" or t.unit.state != "running" for t in trees):
+                return []
+            self.rolling.extend(trees)
+            self._roll_next()
+            return [t.unit.name for t in trees]
         if role == FRONT:
             if self.units[FRONT].state != "running" or not self.front.alive:
                 return []
             self.units[FRONT].requested = True
             self.front.signal(signal.SIGTERM)
             return [FRONT]
-        unit = self.units[UNIT]
-        victims = [p for p in self._current() if p["role"] == role and (dp is None or p.get("dp") == dp) and p["pid"]]
-        if not victims or unit.state != "running" or self.cause is not None:
-            return []
-        unit.requested = True
-        victim = next(p for p in self.tree.values() if p.pid == victims[0]["pid"]) \
-            if victims[0]["pid"] != self.root.pid else self.root
-        self.end_tree(f"vsup restart --role {role}", victim)
-        return [UNIT]
+        restarted = []
+        for tree in trees:
+            victims = [p for p in self._current() if p["unit"] == tree.unit.name and p["role"] == role and
+                       (dp is None or p.get("dp") == dp) and p["pid"]]
+            if not victims or tree.unit.state != "running" or tree.cause is not None:
+                continue
+            tree.unit.requested = True
+            victim = tree.root if victims[0]["pid"] == tree.root.pid else tree.procs[victims[0]["pid"]]
+            self.end_tree(tree, f"vsup restart --role {role}", victim)
+            restarted.append(tree.unit.name)
+        return restarted
+
+    def _roll_next(self) -> None:
+        """Drain the next tree of a rolling restart: the front sends it nothing new, and vLLM finishes what
+        it has (--shutdown-timeout) and exits; it restarts at once."""
+        if not self.rolling:
+            self.log("rolling restart done")
+            return
+        tree = self.rolling[0]
+        if tree.state != "serving" or tree.cause is not None:  # it died meanwhile: its own restart stands in
+            return
+        tree.unit.requested = True
+        tree.draining_until = time.monotonic() + self.options.drain_timeout + self.options.stop_timeout
+        self.log("rolling restart: draining", process=tree.unit.name)
+        self.tell_front()
+        tree.root.signal(signal.SIGTERM)
+        self.save()
 
     # stopping
 
     def shutdown(self) -> None:
-        """SIGTERM to the front (it stops taking requests and finishes those it has) and to vllm serve (it
-        drains through --shutdown-timeout), then SIGKILL what is left."""
+        """SIGTERM to the front (it stops taking requests and finishes those it has) and to each vllm serve
+        (it drains through --shutdown-timeout), then SIGKILL what is left."""
         notify.sd_notify("STOPPING=1")
         self.tell_front()
         self.save()
         self.front.signal(signal.SIGTERM)
-        self.root.signal(signal.SIGTERM)
-        self._wait_tree(self.options.drain_timeout + self.options.stop_timeout, root_only=True)
-        self._wait_tree(self.options.stop_timeout)
-        deadline = time.monotonic() + self.options.stop_timeout
-        while self.front.alive and time.monotonic() < deadline:
-            self.tick(timeout=0.1)
-        left = [name for name, child in ((FRONT, self.front), (self.root.spec.name, self.root)) if child.alive]
-        left += [p.name or f"pid {p.pid}" for p in self.tree.values() if p.alive]
+        for tree in self.trees:
+            tree.root.signal(signal.SIGTERM)
+        self._wait(lambda: any(t.root.alive for t in self.trees), self.options.drain_timeout + self.options.stop_timeout)
+        self._wait(lambda: any(t.alive for t in self.trees), self.options.stop_timeout)
+        self._wait(lambda: self.front.alive, self.options.stop_timeout)
+        left = [FRONT] if self.front.alive else []
+        for tree in self.trees:
+            left += [tree.root.spec.name] if tree.root.alive else []
+            left += [p.name or f"pid {p.pid}" for p in tree.procs.values() if p.alive]
         if left:
             self.log("killed with SIGKILL after --stop-timeout", "warning", processes=left)
             if self.exit_code == 0 and self.state == "stopping":
                 self.exit_code = 1
                 self.message = f"stop needed SIGKILL for {', '.join(left)}"
-        self._kill_tree()
+        for tree in self.trees:
+            self._kill_tree(tree)
         self.front.signal(signal.SIGKILL)
-        while self._tree_alive() or self.front.alive:
+        while any(t.alive for t in self.trees) or self.front.alive:
             self.tick(timeout=0.1)
         self.probe_stop.set()
         self.cleanup()
@@ -573,15 +570,16 @@ class VllmSupervisor(Supervisor):
             self.state = "stopped"
         self.save()
 
-    def _wait_tree(self, seconds: float, root_only: bool = False) -> None:
+    def _wait(self, busy, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while (self.root.alive if root_only else self._tree_alive()) and time.monotonic() < deadline:
+        while busy() and time.monotonic() < deadline:
             self.tick(timeout=0.1)
 
     def cleanup(self) -> None:
-        removed = shm_sweep.sweep(self.run_dir.path)
-        if removed:
-            self.log("removed what the tree left in /dev/shm", "warning", entries=removed)
+        for tree in self.trees:
+            removed = shm_sweep.sweep(tree.dir)
+            if removed:
+                self.log("removed what the tree left in /dev/shm", "warning", entries=removed)
         self.hook_sock.close()
         super().cleanup()
 
@@ -590,49 +588,57 @@ class VllmSupervisor(Supervisor):
     def _current(self) -> list[dict]:
         """The plan's processes, each with the live process now holding its name; then any vLLM started
         beyond the plan."""
-        by_name: dict[str, object] = {self.root.spec.name: self.root} if self.root.alive else {}
+        by_name: dict[str, tuple[Tree, object]] = {}
         extra = []
-        for proc in self.tree.values():
-            if not proc.alive:
-                continue
-            if proc.name and proc.name not in by_name:
-                by_name[proc.name] = proc
-            else:
-                extra.append(proc)
+        for tree in self.trees:
+            if tree.root.alive:
+                by_name[tree.root.spec.name] = (tree, tree.root)
+            for proc in tree.procs.values():
+                if not proc.alive:
+                    continue
+                if proc.name and proc.name not in by_name:
+                    by_name[proc.name] = (tree, proc)
+                else:
+                    extra.append((tree, proc))
         front = self.front.to_json()
         if self.front.alive:
             front["state"] = "stopping" if self.stopping else "ready"
         rows = [front]
+        trees = {t.r: t for t in self.trees}
         for spec in self.plan.processes:
             if spec.role == FRONT:
                 continue
-            live = by_name.get(spec.name)
-            rows.append(self._row(spec.name, spec.role, spec.device, spec.title, live,
+            _, live = by_name.get(spec.name, (None, None))
+            rows.append(self._row(trees[spec.r], spec.name, spec.role, spec.device, spec.title, live,
                                   {"a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp}))
-        for proc in extra:
-            rows.append(self._row(proc.name or f"pid {proc.pid}", proc.role, None, proc.title, proc, proc.ranks))
+        for tree, proc in extra:
+            rows.append(self._row(tree, proc.name or f"pid {proc.pid}", proc.role, None, proc.title, proc,
+                                  proc.ranks))
         return rows
 
-    def _row(self, name, role, device, title, live, ranks) -> dict:
+    def _row(self, tree: Tree, name, role, device, title, live, ranks) -> dict:
         history = self.history.get(name, {"restarts": 0, "last_exit": None})
         if live is None:
-            state = {"backoff": "backoff", "failed": "failed"}.get(self.units[UNIT].state,
+            state = {"backoff": "backoff", "failed": "failed"}.get(tree.unit.state,
                                                                    "stopped" if self.stopping else "starting")
+        elif self.stopping or tree.draining_until is not None:
+            state = "stopping"
         else:
-            state = "stopping" if self.stopping else ("ready" if self.state == "serving" else "starting")
-        is_root = live is self.root
+            state = "ready" if tree.state == "serving" else "starting"
+        is_root = live is tree.root
         pid = live.pid if live is not None else None
         shown = (procfs.cmdline(pid) if is_root else live.title) if live is not None else None
-        return {"name": name, "role": role, "a": ranks.get("a"), "dp": ranks.get("dp"), "pp": ranks.get("pp"),
-                "tp": ranks.get("tp"), "node": 0, "device": device, "title": shown or title, "unit": UNIT,
-                "pid": pid, "state": state, "restarts": history["restarts"], "last_exit": history["last_exit"],
+        return {"name": name, "role": role, **({"r": tree.r} if tree.r is not None else {}), "a": ranks.get("a"),
+                "dp": ranks.get("dp"), "pp": ranks.get("pp"), "tp": ranks.get("tp"), "node": 0, "device": device,
+                "title": shown or title, "unit": tree.unit.name, "pid": pid, "state": state,
+                "restarts": history["restarts"], "last_exit": history["last_exit"],
                 "started_at": (live.started_at if live is not None else None)}
 
     def snapshot(self) -> dict:
         state = super().snapshot()
         state["supervisor"]["engine"] = "vllm"
-        state["units"] = {UNIT: {"state": self.units[UNIT].state, "restarts": self.units[UNIT].restart.total,
-                                 "by_role": dict(self.by_role)},
+        state["units"] = {**{t.unit.name: {"state": t.unit.state, "restarts": t.unit.restart.total,
+                                           "by_role": dict(t.by_role)} for t in self.trees},
                           FRONT: {"state": self.units[FRONT].state, "restarts": self.units[FRONT].restart.total}}
         state["processes"] = self._current()
         state["remote"] = []

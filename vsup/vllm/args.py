@@ -32,6 +32,15 @@ def check_supported(config: ParallelConfig, **flags) -> None:
                          f"model); give vLLM's own flags after --, or use --engine vsup")
 
 
+def check_replicas(vllm: bool, replicas: int) -> None:
+    """Exit 2 for a --replicas that cannot be (vsup's own engine keeps its requests without replicas)."""
+    if replicas < 1:
+        raise UsageError(f"--replicas must be at least 1 (got {replicas})")
+    if replicas > 1 and not vllm:
+        raise UsageError("--replicas is for --engine vllm; vsup's own engine keeps its requests across a death "
+                         "without replicas (for more of it, give -dp)")
+
+
 @dataclass(frozen=True)
 class ServeFlags:
     """The vsup flags that map to vLLM's."""

@@ -3,6 +3,7 @@
 Finds the vllm executable and checks every flag against what the installed
 version takes, before anything starts. vLLM listens on a private port of
 127.0.0.1 with a random API key; vsup's front holds the public host and port.
+With --replicas N, N trees, each on its own port, cores (or GPUs) and none shared.
 """
 
 from __future__ import annotations
@@ -32,31 +33,45 @@ class FrontFlags:
 
 
 def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | None, extra: tuple[str, ...],
-                    api_key: str | None, front: FrontFlags) -> tuple[Plan, str]:
-    """The plan, and the private URL where vLLM serves behind the front."""
+                    api_key: str | None, front: FrontFlags, replicas: int = 1) -> tuple[Plan, list[str]]:
+    """The plan, and the private URL where each replica's vLLM serves behind the front."""
     binary = find_vllm(vllm_bin)
-    cpu_workers = [p for p in vllm_plan(config).processes if p.role == WORKER and p.device == "cpu"]
-    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), len(cpu_workers))
-    private = replace(flags, host=PRIVATE_HOST, port=free_port(PRIVATE_HOST))
+    workers = sum(p.role == WORKER and p.device == "cpu" for p in vllm_plan(config).processes)
+    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas)
     upstream_key = secrets.token_urlsafe(24)
-    env = serve_env(config, private, binds, upstream_key, len(kept))
-    argv = serve_argv(binary, config, private, extra)
-    unknown = unknown_flags(argv[3:], serve_flags(binary, env))
-    if unknown:
-        raise UsageError(f"the vLLM at {binary} does not take {', '.join(unknown)}; check the flags after -- "
-                         f"(`vllm serve --help=all` lists what it takes), or give another --vllm-bin")
-    upstream = f"http://{PRIVATE_HOST}:{private.port}"
+    trees, upstreams = [], []
+    for r in range(replicas):
+        private = replace(flags, host=PRIVATE_HOST, port=free_port(PRIVATE_HOST, taken=upstreams))
+        env = serve_env(config, private, binds[r * workers:(r + 1) * workers], upstream_key, len(kept))
+        if replicas > 1 and config.device == "cpu":  # vLLM's auto binding would put every replica on core 0
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if replicas > 1 and config.device == "cuda":
+            per_tree = config.data_parallel_size * config.workers_per_engine
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(r * per_tree, (r + 1) * per_tree)))
+        argv = serve_argv(binary, config, private, extra)
+        if r == 0:
+            unknown = unknown_flags(argv[3:], serve_flags(binary, env))
+            if unknown:
+                raise UsageError(f"the vLLM at {binary} does not take {', '.join(unknown)}; check the flags after "
+                                 f"-- (`vllm serve --help=all` lists what it takes), or give another --vllm-bin")
+        trees.append((tuple(argv), env))
+        upstreams.append(f"http://{PRIVATE_HOST}:{private.port}")
     front_argv = (sys.executable, "-m", "vsup.front", "--host", flags.host, "--port", str(flags.port),
-                  "--upstream", upstream, "--resume-timeout", str(front.resume_timeout),
+                  *(x for url in upstreams for x in ("--upstream", url)),
+                  "--resume-timeout", str(front.resume_timeout),
                   "--max-pending", str(front.max_pending), "--max-resumes", str(front.max_resumes),
                   "--drain-timeout", str(flags.drain_timeout),
                   *(("--cpus", ",".join(map(str, kept))) if kept else ()))
     front_env = {"VSUP_FRONT_UPSTREAM_KEY": upstream_key, **({"VSUP_API_KEY": api_key} if api_key else {})}
-    return vllm_plan(config, tuple(argv), env, (front_argv, front_env)), upstream
+    return vllm_plan(config, trees, (front_argv, front_env)), upstreams
 
 
-def free_port(host: str) -> int:
-    """A port nobody listens on now, for vLLM behind the front (kept across the tree's restarts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str, taken: list[str] = ()) -> int:
+    """A port nobody listens on now (nor one of the URLs `taken`), for vLLM behind the front (kept across
+    the tree's restarts)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if not any(url.endswith(f":{port}") for url in taken):
+            return port

@@ -11,7 +11,8 @@
 - Helpers, counted apart: multiprocessing's resource tracker (one for the tree).
 
 Before them all, vsup's own `front` holds the public port (vsup/front), with vLLM
-on a private one behind it.
+on a private one behind it. With `--replicas N` there are N such trees behind the
+one front, each on its own port, and every name carries its replica (`worker r1 dp0 pp0 tp0`).
 
 The names are vsup's (`worker dp0 pp0 tp1`); vLLM's titles go in the title column.
 """
@@ -35,29 +36,42 @@ def worker_title(config: ParallelConfig, dp: int, pp: int, tp: int) -> str:
     return f"{TITLE_PREFIX}Worker{suffix}"
 
 
-def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str, str] | None = None,
-              front: tuple[tuple[str, ...], dict[str, str]] = ((), {})) -> Plan:
-    """The front (its argv and env), then every process of the tree in start order: the first is the one
-    vsup starts (`argv`, `env`), and vLLM starts the rest."""
+def vllm_plan(config: ParallelConfig, trees: list[tuple[tuple[str, ...], dict[str, str]]] | None = None,
+              front: tuple[tuple[str, ...], dict[str, str]] = ((), {}), replicas: int = 1) -> Plan:
+    """The front (its argv and env), then every process of each replica's tree in start order: the first
+    of a tree is the one vsup starts (that tree's argv and env in `trees`), and vLLM starts the rest."""
+    trees = trees or [((), {})] * replicas
+    processes = [ProcessSpec(role=FRONT, name=FRONT, title=process_title(FRONT), node=0, device=None,
+                             argv=tuple(front[0]), env=dict(front[1]))]
+    for r, (argv, env) in enumerate(trees):
+        processes += replica_tree(config, argv, env, r if len(trees) > 1 else None)
+    return Plan(config, tuple(processes), roles=(FRONT, *ROLES, HELPER))
+
+
+def replica_tree(config: ParallelConfig, argv: tuple[str, ...], env: dict[str, str], r: int | None) -> list[ProcessSpec]:
+    """One `vllm serve` tree (replica `r`, None when it is the only one)."""
     dp_size, workers = config.data_parallel_size, config.workers_per_engine
     api_servers = config.head_api_server_count
     in_core = config.device == "cuda" and workers == 1  # the uni executor: no worker process
+    first_device = (r or 0) * dp_size * workers
 
     def spec(role: str, title: str, device: str | None = None, name: str | None = None, **ranks) -> ProcessSpec:
-        return ProcessSpec(role=role, name=name or process_name(role, **ranks), title=title, node=0,
-                           device=device, argv=(), **ranks)
+        return ProcessSpec(role=role, name=name or process_name(role, r=r, **ranks), title=title, node=0,
+                           device=device, argv=(), r=r, **ranks)
 
     def device_of(dp: int, pp: int = 0, tp: int = 0) -> str:
-        return "cpu" if config.device == "cpu" else f"cuda:{dp * workers + pp * config.tensor_parallel_size + tp}"
+        index = first_device + dp * workers + pp * config.tensor_parallel_size + tp
+        return "cpu" if config.device == "cpu" else f"cuda:{index}"
+
+    def helper(what: str, title: str) -> ProcessSpec:
+        return spec(HELPER, title, name=helper_name(what, r))
 
     if api_servers == 1:
         processes = [spec(API_SERVER, ROOT_TITLE, a=0)]
     else:
-        processes = [spec(HELPER, ROOT_TITLE, name=f"{HELPER} vllm-serve")]
+        processes = [helper("vllm-serve", ROOT_TITLE)]
         processes += [spec(API_SERVER, f"{TITLE_PREFIX}APIServer_{a}", a=a) for a in range(api_servers)]
-    processes[0] = replace(processes[0], argv=tuple(argv), env=dict(env or {}))
-    processes.insert(0, ProcessSpec(role=FRONT, name=FRONT, title=process_title(FRONT), node=0, device=None,
-                                    argv=tuple(front[0]), env=dict(front[1])))
+    processes[0] = replace(processes[0], argv=tuple(argv), env=dict(env))
     for dp in range(dp_size):
         title = f"{TITLE_PREFIX}EngineCore" + (f"_DP{dp}" if dp_size > 1 else "")
         processes.append(spec(ENGINE_CORE, title, device_of(dp) if in_core else None, dp=dp))
@@ -67,10 +81,23 @@ def vllm_plan(config: ParallelConfig, argv: tuple[str, ...] = (), env: dict[str,
                       for tp in range(config.tensor_parallel_size)]
     if dp_size > 1:
         processes.append(spec(COORDINATOR, f"{TITLE_PREFIX}DPCoordinator"))
-    processes.append(spec(HELPER, "multiprocessing.resource_tracker", name=f"{HELPER} {RESOURCE_TRACKER}"))
-    return Plan(config, tuple(processes), roles=(FRONT, *ROLES, HELPER))
+    processes.append(helper(RESOURCE_TRACKER, "multiprocessing.resource_tracker"))
+    return processes
 
 
-def tree_root(plan: Plan) -> ProcessSpec:
-    """The process vsup starts of the vLLM tree (`vllm serve`): the first after the front."""
-    return next(p for p in plan.processes if p.role != FRONT)
+def helper_name(what: str, r: int | None = None) -> str:
+    """`helper resource-tracker`, `helper r1 vllm-serve`: a helper's name, after the roles' pattern."""
+    return " ".join([HELPER, *([f"r{r}"] if r is not None else []), what])
+
+
+def tree_roots(plan: Plan) -> list[ProcessSpec]:
+    """The process vsup starts of each replica's vLLM tree (`vllm serve`): the first of each replica."""
+    roots: dict[int | None, ProcessSpec] = {}
+    for p in plan.processes:
+        if p.role != FRONT:
+            roots.setdefault(p.r, p)
+    return list(roots.values())
+
+
+def replica_count(plan: Plan) -> int:
+    return len(tree_roots(plan))

@@ -6,7 +6,7 @@ tree that vLLM spawns; `os.register_at_fork` covers the ones it forks. It does
 nothing unless VSUP_HOOK_SOCKET is set. In each process it:
 
 - points fds 1 and 2 at two connections to the supervisor's hook socket, each
-  opened by one JSON line ({"pid", "ppid", "stream"}): the supervisor tags every
+  opened by one JSON line ({"pid", "ppid", "stream", "replica"}): the supervisor tags every
   line, native writes and tracebacks included, with the process that wrote it;
 - sets PR_SET_PDEATHSIG (SIGKILL), and ends at once when its parent already
   went before that took hold;
@@ -38,7 +38,9 @@ _kept = []  # this process's connections: closed only when it exits
 def _connect(path: str, stream: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    sock.sendall((json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "stream": stream}) + "\n").encode())
+    hello = {"pid": os.getpid(), "ppid": os.getppid(), "stream": stream,
+             "replica": int(os.environ.get("VSUP_HOOK_REPLICA") or 0)}
+    sock.sendall((json.dumps(hello) + "\n").encode())
     return sock
 
 

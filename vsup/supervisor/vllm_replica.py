@@ -1,0 +1,169 @@
+"""One replica's vLLM tree as the supervisor sees it: the `vllm serve` it started, the processes vLLM
+started and the hook introduced, who each one is, and where the tree stands.
+
+With `--replicas N` the supervisor holds N of these, each its own restart unit
+(`vllm`, or `vllm r0`, `vllm r1`, ...), on its own private port, with its own
+/dev/shm list and TMPDIR (in its own dir).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vsup import procfs
+from vsup.supervisor.child import Child
+from vsup.supervisor.manager import Unit
+from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
+from vsup.vllm import names
+from vsup.vllm.plan import RESOURCE_TRACKER, helper_name
+from vsup.vllm.progress import Progress
+
+UNIT = "vllm"
+
+
+def unit_name(r: int | None) -> str:
+    """The restart unit of replica `r`: `vllm`, or `vllm r1` when there are several."""
+    return UNIT if r is None else f"{UNIT} r{r}"
+
+
+@dataclass
+class Observed:
+    """A process of the tree that vLLM started and the hook introduced."""
+
+    pid: int
+    ppid: int
+    pidfd: int | None
+    started_at: float = field(default_factory=time.time)
+    name: str | None = None
+    role: str | None = None
+    ranks: dict = field(default_factory=dict)
+    title: str | None = None
+    alive: bool = True
+    last_exit: str | None = None
+
+
+@dataclass
+class Tree:
+    """One replica: its root (`vllm serve`), its unit, and what vsup knows of it now."""
+
+    r: int | None  # None when it is the only one
+    root: Child
+    unit: Unit
+    probe_url: str  # where the supervisor asks /health and /metrics
+    dir: Path  # its shm list and TMPDIR note
+    plan: Plan
+    procs: dict[int, Observed] = field(default_factory=dict)
+    gen: int = 0  # the tree's number among every tree started (the front resumes on another one)
+    state: str = "starting"  # starting, serving, restarting, failed
+    progress: Progress | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    cause: str | None = None  # why it is being ended
+    first_death: tuple | None = None  # (process, when to look): a death not yet attributed
+    shm_noted: set = field(default_factory=set)
+    by_role: dict = field(default_factory=dict)  # its restarts, by the role whose process died
+    draining_until: float | None = None  # a rolling restart's SIGTERM: its end was asked for
+
+    @property
+    def up(self) -> bool:
+        """Whether the front may send it requests."""
+        return self.state == "serving" and self.cause is None and self.first_death is None and \
+            self.draining_until is None
+
+    @property
+    def alive(self) -> bool:
+        return self.root.alive or any(p.alive for p in self.procs.values())
+
+    def owns(self, pid: int | None) -> bool:
+        return pid is not None and (pid == self.root.pid or pid in self.procs)
+
+    def specs(self, role: str | None = None) -> list:
+        return [p for p in self.plan.processes if p.r == self.r and p.role != FRONT and role in (None, p.role)]
+
+    # who is who
+
+    def resolve(self, proc: Observed) -> None:
+        """Its vsup name and title, from its command line: re-read until vLLM has titled it for good (a
+        spawned process starts as `python -c ...`, a worker is titled twice)."""
+        if proc.name and proc.title and (proc.title.startswith(names.TITLE_PREFIX) or proc.role == names.HELPER):
+            return
+        title = procfs.cmdline(proc.pid)
+        if title is None:
+            return
+        proc.title = title
+        role = names.role_of_title(title.split(" "))
+        if role is not None and (role.settled or proc.name is None):
+            self.name(proc, role)
+        elif proc.name is None and names.started_by_multiprocessing(title) and \
+                (guess := self.by_parent(proc)) is not None:
+            self.name(proc, guess)
+
+    def by_parent(self, proc: Observed) -> names.Role | None:
+        """Before vLLM titles a spawned process, its parent may already say what it is: a child of an
+        engine core is one of its workers; the one child of `vllm serve` that is not a helper is the
+        engine core when the plan has no other. (A process that vLLM runs otherwise, such as its
+        model-registry probe on a first start, is never guessed.)"""
+        parent = self.procs.get(proc.ppid)
+        if parent is not None and parent.role == ENGINE_CORE:
+            return names.Role(WORKER, settled=False)
+        if proc.ppid == self.root.pid and [p.role for p in self.specs() if p.role not in (
+                WORKER, names.HELPER) and p.name != self.root.spec.name] == [ENGINE_CORE]:
+            return names.Role(ENGINE_CORE, dp=0)
+        return None
+
+    def name(self, proc: Observed, role: names.Role) -> None:
+        if role.role == names.HELPER:
+            proc.role, proc.name = names.HELPER, helper_name(RESOURCE_TRACKER, self.r)
+            return
+        if not role.settled:
+            workers = self.specs(WORKER)
+            if len(workers) != 1:
+                proc.role = WORKER
+                return
+            role = names.Role(WORKER, dp=workers[0].dp, pp=workers[0].pp, tp=workers[0].tp)
+        proc.role = role.role
+        proc.ranks = {k: getattr(role, k) for k in ("a", "dp", "pp", "tp") if getattr(role, k) is not None}
+        proc.name = process_name(role.role, r=self.r, **proc.ranks)
+
+    def who(self, pid: int, prefix_name: str | None) -> dict:
+        """The tags of a line written by `pid`, one of this tree's processes."""
+        root = self.root.spec
+        if pid == self.root.pid:
+            name, role, ranks = root.name, root.role, {"a": root.a}
+        else:
+            proc = self.procs.get(pid)
+            if proc is not None and proc.name is None:
+                self.resolve(proc)
+                if proc.name is None and prefix_name:
+                    role = names.role_of_name(prefix_name)
+                    if role is not None:
+                        self.name(proc, role)
+            if proc is None or proc.name is None:
+                role = proc.role if proc else None
+                return {"name": role or f"pid {pid}", "role": role, "r": self.r, "a": None, "dp": None,
+                        "pp": None, "tp": None, "pid": pid}
+            name, role, ranks = proc.name, proc.role, proc.ranks
+        return {"name": name, "role": role, "r": self.r, "a": ranks.get("a"), "dp": ranks.get("dp"),
+                "pp": ranks.get("pp"), "tp": ranks.get("tp"), "pid": pid}
+
+    def name_of(self, proc) -> str:
+        return proc.spec.name if isinstance(proc, Child) else (proc.name or f"pid {proc.pid}")
+
+    def first_to_die(self, proc):
+        """The process whose end ended the tree. One whose parent is dead too followed it out
+        (PR_SET_PDEATHSIG), and one that exited 0 was told to by its parent (vLLM's processes never
+        end cleanly on their own, and an engine core stops its workers before it exits): the parent is."""
+        seen = set()
+        while isinstance(proc, Observed) and proc.ppid not in seen:
+            seen.add(proc.ppid)
+            parent = self.root if proc.ppid == self.root.pid else self.procs.get(proc.ppid)
+            if parent is None or parent is self.root and proc.last_exit == "exit 0":
+                break
+            if proc.last_exit != "exit 0" and (parent.popen.poll() is None if parent is self.root
+                                               else procfs.running(parent.pid)):
+                break
+            if parent is not self.root and parent.last_exit is None:
+                parent.last_exit = procfs.exit_status(parent.pid)
+            proc = parent
+        return proc
