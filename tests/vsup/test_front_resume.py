@@ -107,3 +107,24 @@ def test_server_sent_events_are_taken_whole_and_error_chunks_carry_their_status(
     assert sse_events(buffer) == [b'{"a": 1}', b"[DONE]"] and bytes(buffer) == b'data: {"par'
     assert stream_error(json.loads('{"error": {"message": "engine dead", "code": 500}}')) == 500
     assert stream_error({"error": {"message": "?"}}) == 500 and stream_error({"choices": []}) is None
+
+
+def test_text_that_the_dead_tree_held_back_is_made_again_and_sent_once():
+    """vLLM holds back the text of the last tokens while they may become a stop string: at the cut the
+    client has " Once up" of the IDs [5, 6, 7] (" Once", " upon", " a"). The resume goes on from [5]
+    (whose text the client has whole); the new tree makes " upon a" again, and the client gets " on a"."""
+    g = Generation(CHAT, {"model": "tiny", "messages": [], "stream": True, "max_tokens": 6, "stop": ["upon a time"]})
+    g.on_chunk(chunk([], "", prompt=[1, 2], kind=CHAT))
+    g.on_chunk(chunk([5, 6], " Once up", kind=CHAT))
+    g.on_chunk(chunk([7], "", kind=CHAT))
+    assert g.rewindable
+    g.resumes = 1
+    g.rewind(1, " Once")
+    route, body = g.upstream()
+    assert body["prompt"] == [1, 2, 5] and body["max_tokens"] == 5  # the held-back tokens are made again
+    out = [g.on_chunk(chunk([6], " upon")), g.on_chunk(chunk([7], " a")), g.on_chunk(chunk([8], " day"))]
+    assert [c["choices"][0]["delta"]["content"] for c in out] == ["on", " a", " day"]
+    assert "".join(g.text) == " Once upon a day" and g.generated == [5, 6, 7, 8]
+    assert g.usage()["completion_tokens"] == 4
+    shown = Generation(COMPLETION, {"prompt": "x", "return_token_ids": True, "stream": True})
+    assert not shown.rewindable  # the client saw the IDs: it would get them twice

@@ -34,6 +34,7 @@ from vsup.front.resume import DONE, ROUTES, Generation, charge, not_resumable, s
 from vsup.topology import ROLES
 from vsup.vllm.names import HELPER
 
+REWIND_MAX = 16  # tokens a resume looks back for text that vLLM held back
 GRACE_S = 5.0  # how long a tree that failed a request may still say it is up before the failure is the request's
 HOP_HEADERS = {"host", "authorization", "content-length", "connection", "keep-alive", "transfer-encoding",
                "te", "upgrade", "proxy-authorization", "accept-encoding"}
@@ -267,10 +268,12 @@ class Front:
                 raise
             if probing:
                 self.probing[gen] = g
+            client = self.clients[r]
+            if g.resumed and g.text and g.rewindable and g.checked != len(g.generated):
+                await self._rewind(g, client, headers)
             route, body = g.upstream()
             g.fresh_tokens = 0
             self.bound[id(g)] = gen
-            client = self.clients[r]
             try:
                 response = await client.send(client.build_request("POST", route, json=body, headers=headers),
                                              stream=True)
@@ -293,6 +296,27 @@ class Front:
                 return Response(content, response.status_code, media_type=response.headers.get("content-type"))
             self._on_death(g, gen)
             dead.add(gen)
+
+    async def _rewind(self, g: Generation, client: httpx.AsyncClient, headers: dict) -> None:
+        """Find text that the dead tree held back (a possible stop string, an incomplete character): the
+        last IDs whose text the client did not get all of are made again (Generation.rewind)."""
+        sent, ids = "".join(g.text), list(g.generated)
+        for keep in range(len(ids), max(-1, len(ids) - REWIND_MAX - 1), -1):
+            try:
+                response = await client.post("/detokenize", headers=headers, timeout=10.0,
+                                             json={"model": g.body.get("model"), "tokens": ids[:keep]})
+                text = response.json()["prompt"] if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                text = None
+            if not isinstance(text, str):
+                break  # (no rewind: what was held back is lost)
+            if sent.startswith(text):
+                if keep < len(ids):
+                    g.rewind(keep, text)
+                    log("resuming from the last token whose text the client got", request=g.id,
+                        held_back_tokens=len(ids) - keep)
+                break
+        g.checked = len(g.generated)
 
     def _end_probe(self, g: Generation, gen: int) -> None:
         if self.probing.get(gen) is g and self.probe.locked():

@@ -70,6 +70,8 @@ class Generation:
     fresh_tokens: int = 0  # tokens since its last (re)submission
     usage_sent: bool = False
     dead: set[int] = field(default_factory=set)  # the gens of the trees that died under it
+    skip: int = 0  # characters of the resumed stream's text that the client already got (see rewind)
+    checked: int = -1  # how many generated IDs the last look at held-back text saw
 
     @property
     def wants_ids(self) -> bool:
@@ -105,6 +107,20 @@ class Generation:
             body["stream_options"] = {"include_usage": True}
         return "/v1/completions", body
 
+    @property
+    def rewindable(self) -> bool:
+        """Whether it may go on from fewer IDs than were streamed: only if the client never saw the IDs
+        (nor their logprobs), since it would get those tokens again."""
+        return not self.wants_ids and not self.logprobs and not self.body.get("logprobs")
+
+    def rewind(self, keep: int, voiced: str) -> None:
+        """Go on from the first `keep` generated IDs, whose text `voiced` the client got (a prefix of all it
+        got). vLLM holds back the text of the last tokens while it may still turn out to be a stop string,
+        or an incomplete character: the new tree makes those tokens again, and of their text the client
+        is sent only what it does not have yet."""
+        self.skip = len("".join(self.text)) - len(voiced)
+        del self.generated[keep:]
+
     def remaining(self) -> int | None:
         limit = limit_of(self.kind, self.body)
         return None if limit is None else limit - len(self.generated)
@@ -118,6 +134,8 @@ class Generation:
             ids = chunk.get("prompt_token_ids") or (choices[0].get("prompt_token_ids") if choices else None)
             if ids is not None:
                 self.prompt_ids = list(ids)
+        if self.skip and choices:
+            choices = chunk["choices"] = [self._skipped(c) for c in choices]
         for choice in choices:
             ids = choice.get("token_ids") or []
             self.generated.extend(ids)
@@ -137,6 +155,18 @@ class Generation:
         if self.resumed:
             chunk = {**chunk, **self._head()}
         return chunk if self.wants_ids else strip_ids(chunk)
+
+    def _skipped(self, choice: dict) -> dict:
+        """The choice without the first characters of its text that the client already got."""
+        key = "text" if "text" in choice else None
+        text = choice.get("text") if key else (choice.get("delta") or {}).get("content")
+        if not text:
+            return choice
+        cut = min(self.skip, len(text))
+        self.skip -= cut
+        if key:
+            return {**choice, "text": text[cut:]}
+        return {**choice, "delta": {**choice["delta"], "content": text[cut:]}}
 
     def _head(self, streamed: bool = True) -> dict:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.kind == CHAT else "text_completion"

@@ -547,7 +547,8 @@ class VllmSupervisor(Supervisor):
         self.front.signal(signal.SIGTERM)
         for tree in self.trees:
             tree.root.signal(signal.SIGTERM)
-        self._wait(lambda: any(t.root.alive for t in self.trees), self.options.drain_timeout + self.options.stop_timeout)
+        drain = self.options.drain_timeout + self.options.stop_timeout
+        self._wait(lambda: any(t.root.alive for t in self.trees), drain)
         self._wait(lambda: any(t.alive for t in self.trees), self.options.stop_timeout)
         self._wait(lambda: self.front.alive, self.options.stop_timeout)
         left = [FRONT] if self.front.alive else []

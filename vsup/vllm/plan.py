@@ -48,7 +48,8 @@ def vllm_plan(config: ParallelConfig, trees: list[tuple[tuple[str, ...], dict[st
     return Plan(config, tuple(processes), roles=(FRONT, *ROLES, HELPER))
 
 
-def replica_tree(config: ParallelConfig, argv: tuple[str, ...], env: dict[str, str], r: int | None) -> list[ProcessSpec]:
+def replica_tree(config: ParallelConfig, argv: tuple[str, ...], env: dict[str, str],
+                 r: int | None) -> list[ProcessSpec]:
     """One `vllm serve` tree (replica `r`, None when it is the only one)."""
     dp_size, workers = config.data_parallel_size, config.workers_per_engine
     api_servers = config.head_api_server_count
