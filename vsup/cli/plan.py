@@ -53,9 +53,10 @@ def plan(
         data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
         dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, device=device.value, multiprocessing=multiprocessing)
-    from vsup.vllm.args import check_replicas
+    if replicas != 1 or engine == o.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
+        from vsup.vllm.args import check_replicas
 
-    check_replicas(engine == o.EngineKind.vllm, replicas)
+        check_replicas(engine == o.EngineKind.vllm, replicas)
     if engine == o.EngineKind.vllm:
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan

@@ -192,6 +192,8 @@ class VllmSupervisor(Supervisor):
                "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "TMPDIR": str(tmp),
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
+        for pid in [pid for pid, owner in list(self.tree_of.items()) if owner is tree]:  # its last tree's
+            self.tree_of.pop(pid, None)
         root = tree.root
         out, err = root.spawn(env)
         self.tree_of[root.pid] = tree
