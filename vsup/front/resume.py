@@ -158,13 +158,13 @@ class Generation:
 
     def _skipped(self, choice: dict) -> dict:
         """The choice without the first characters of its text that the client already got."""
-        key = "text" if "text" in choice else None
-        text = choice.get("text") if key else (choice.get("delta") or {}).get("content")
+        completion = "text" in choice
+        text = choice["text"] if completion else (choice.get("delta") or {}).get("content")
         if not text:
             return choice
         cut = min(self.skip, len(text))
         self.skip -= cut
-        if key:
+        if completion:
             return {**choice, "text": text[cut:]}
         return {**choice, "delta": {**choice["delta"], "content": text[cut:]}}
 

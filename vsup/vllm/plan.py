@@ -88,7 +88,7 @@ def replica_tree(config: ParallelConfig, argv: tuple[str, ...], env: dict[str, s
 
 def helper_name(what: str, r: int | None = None) -> str:
     """`helper resource-tracker`, `helper r1 vllm-serve`: a helper's name, after the roles' pattern."""
-    return " ".join([HELPER, *([f"r{r}"] if r is not None else []), what])
+    return f"{process_name(HELPER, r=r)} {what}"
 
 
 def tree_roots(plan: Plan) -> list[ProcessSpec]:
@@ -98,7 +98,3 @@ def tree_roots(plan: Plan) -> list[ProcessSpec]:
         if p.role != FRONT:
             roots.setdefault(p.r, p)
     return list(roots.values())
-
-
-def replica_count(plan: Plan) -> int:
-    return len(tree_roots(plan))
