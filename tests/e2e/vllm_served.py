@@ -25,9 +25,10 @@ def vllm_bin_or_skip() -> str:
 
 
 def serve_vllm(home, model, *flags, name="vllm", env=None):
-    """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault."""
-    return Served(home, model, "--engine", "vllm", "--max-model-len", "512", *flags, name=name,
-                  kv_cache_memory="1GiB", env=env)
+    """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault. The
+    tests restart a tree every minute or so, which the default backoff would make wait up to 30 s each."""
+    return Served(home, model, "--engine", "vllm", "--max-model-len", "512", "--restart-max-delay", "1", *flags,
+                  name=name, kv_cache_memory="1GiB", env=env)
 
 
 def plan_names(*flags):

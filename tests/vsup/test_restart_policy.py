@@ -37,3 +37,11 @@ def test_policy_decides_what_is_restarted(policy, code, expected):
 def test_bad_policy_names_the_flag():
     with pytest.raises(ValueError, match="--restart-policy"):
         RestartPolicy("sometimes")
+
+
+def test_restart_max_delay_caps_the_backoff():
+    state = RestartState(RestartPolicy(max_restarts=8, max_s=2.0))
+    assert [state.next_delay(now=float(i), started_at=float(i)) for i in range(5)] == [0.5, 1.0, 2.0, 2.0, 2.0]
+    assert RestartState(RestartPolicy(max_s=0.1)).next_delay(now=0.0, started_at=0.0) == 0.1  # below the first
+    with pytest.raises(ValueError, match="--restart-max-delay"):
+        RestartPolicy(max_s=0)

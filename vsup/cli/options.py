@@ -166,6 +166,10 @@ RestartPolicyFlag = Annotated[RestartPolicyOpt, _option(
     help="Restart a unit whose process exited: always, on-failure (not after exit 0) or never.")]
 MaxRestarts = Annotated[int, _option(
     "--max-restarts", panel=SUPERVISION, help="Restarts a unit may have within 300 s before it is marked failed.")]
+RestartMaxDelay = Annotated[float, _option(
+    "--restart-max-delay", panel=SUPERVISION,
+    help="The longest wait before a restart: the wait starts at 0.5 s and doubles with each restart of a "
+         "unit up to this, and starts over once the unit has run 60 s (as systemd's RestartMaxDelaySec).")]
 DrainTimeout = Annotated[float, _option(
     "--drain-timeout", panel=SUPERVISION, help="Seconds in-flight requests get to finish on stop.")]
 StopTimeout = Annotated[float, _option(

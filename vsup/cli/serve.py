@@ -50,6 +50,7 @@ def serve(
     served_model_name: o.ServedModelName = None,
     restart_policy: o.RestartPolicyFlag = o.RestartPolicyOpt.on_failure,
     max_restarts: o.MaxRestarts = 5,
+    restart_max_delay: o.RestartMaxDelay = 30.0,
     drain_timeout: o.DrainTimeout = 30.0,
     stop_timeout: o.StopTimeout = 10.0,
     startup_timeout: o.StartupTimeout = 600.0,
@@ -95,7 +96,7 @@ def serve(
     if max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be at least 1 (got {max_num_seqs})")
     try:
-        policy = RestartPolicy(restart_policy.value, max_restarts=max_restarts)
+        policy = RestartPolicy(restart_policy.value, max_restarts=max_restarts, max_s=restart_max_delay)
     except ValueError as e:
         raise UsageError(str(e)) from None
     from vsup.vllm.args import check_replicas

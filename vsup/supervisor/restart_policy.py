@@ -25,6 +25,9 @@ class RestartPolicy:
             raise ValueError(f"--restart-policy must be one of {', '.join(POLICIES)} (got {self.policy!r})")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0 (got {self.max_restarts})")
+        if not self.max_s > 0:
+            raise ValueError(f"--restart-max-delay must be more than 0 seconds (got {self.max_s:g})")
+        self.initial_s = min(self.initial_s, self.max_s)
 
 
 @dataclass
