@@ -112,3 +112,15 @@ def state_file(run_dir: str) -> str:
 def control_socket(run_dir: str) -> str:
     """The supervisor's own control socket (a Unix stream socket, JSON lines)."""
     return os.path.join(run_dir, "control.sock")
+
+
+def replica_dir(run_dir: str, r: int | None) -> str:
+    """What one stock vLLM tree keeps apart from the others (--replicas): the run dir itself when it is the
+    only one, else `rN/` in it."""
+    return run_dir if r is None else os.path.join(run_dir, f"r{r}")
+
+
+def vllm_socket(run_dir: str, r: int | None) -> str:
+    """The Unix socket where a stock vLLM tree serves, behind vsup's front (`vllm serve --uds`): nothing
+    but the front and the supervisor, which can enter the 0700 run dir, reaches it, and no port is taken."""
+    return os.path.join(replica_dir(run_dir, r), "vllm.sock")

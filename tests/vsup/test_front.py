@@ -1,4 +1,5 @@
-"""vsup's front (`python -m vsup.front`, a real process on a real port) before a stand-in vLLM.
+"""vsup's front (`python -m vsup.front`, a real process on a real port) before a stand-in vLLM on a Unix
+socket (as vLLM's --uds behind the front).
 
 The stand-in speaks vLLM's streaming protocol with `return_token_ids`, and its "model" is
 deterministic: the next token depends only on the IDs before it, so a generation resumed from
@@ -14,9 +15,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 import httpx
@@ -49,7 +52,7 @@ class StandIn:
         self.bodies: list[dict] = []
         self.die_after: int | None = None  # die when any stream has sent this many tokens
         self.disconnects = 0
-        self.port = free_port()
+        self.socket = os.path.join(tempfile.mkdtemp(prefix="vsup-stand-in-"), "vllm.sock")  # as vLLM's --uds
         self.tokens_per_s = 200.0
 
     async def __call__(self, scope, receive, send):
@@ -149,9 +152,9 @@ def _holds(ids, marker):
 class Front:
     """The front process, with the test as its supervisor."""
 
-    def __init__(self, upstream_port: int, *flags: str, more_upstreams: tuple[int, ...] = ()):
+    def __init__(self, upstream: str, *flags: str, more_upstreams: tuple[str, ...] = ()):
         self.port = free_port()
-        upstreams = [x for port in (upstream_port, *more_upstreams) for x in ("--upstream", f"http://127.0.0.1:{port}")]
+        upstreams = [x for path in (upstream, *more_upstreams) for x in ("--upstream", path)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(self.port), *upstreams,
              "--drain-timeout", "5", *flags],
@@ -186,7 +189,7 @@ class Front:
 
 @contextlib.contextmanager
 def serving(app: StandIn):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=app.port, log_level="critical"))
+    server = uvicorn.Server(uvicorn.Config(app, uds=app.socket, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, timeout=30, what="the stand-in listening")
@@ -195,6 +198,7 @@ def serving(app: StandIn):
     finally:
         server.should_exit = True
         thread.join(10)
+        shutil.rmtree(os.path.dirname(app.socket), ignore_errors=True)
 
 
 @pytest.fixture
@@ -205,7 +209,7 @@ def stand_in():
 
 @pytest.fixture
 def front(stand_in):
-    f = Front(stand_in.port, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20")
+    f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20")
 
     def restarted(gen):  # the supervisor: the tree is down, and a moment later the next one is up
         f.tell(gen - 1, False)
@@ -338,8 +342,8 @@ def test_with_two_replicas_a_dead_trees_streams_move_to_the_other_at_once(stand_
     """Replica 0 dies under its streams and stays down (no new tree): they go on on replica 1 at once,
     with the same tokens. The front spread the 4 streams 2 and 2 (the least loaded first)."""
     with serving(StandIn()) as other:
-        f = Front(stand_in.port, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20",
-                  more_upstreams=(other.port,))
+        f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20",
+                  more_upstreams=(other.socket,))
         try:
             stand_in.on_death = lambda _: f.tell(1, False, replica=0)  # the dead tree: down, nothing new yet
             other.on_death = lambda _: pytest.fail("replica 1 died")

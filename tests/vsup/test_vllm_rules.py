@@ -115,6 +115,8 @@ def test_vsup_flags_become_vllms():
     assert "--tensor-parallel-size 2" in text and "--dtype float32" in text and "--seed 3" in text
     assert "--shutdown-timeout 8" in text and "--max-model-len 256" in text and "--enforce-eager" in text
     assert argv[-2:] == ["--x", "1"] and "--gpu-memory-utilization" not in argv
+    behind = serve_argv("vllm", ParallelConfig(), flags(uds="/run/vllm.sock"))  # (behind vsup's front)
+    assert behind[3:7] == ["--served-model-name", "m", "--uds", "/run/vllm.sock"] and "--port" not in behind
     cuda = serve_argv("vllm", ParallelConfig(device="cuda"), flags(kv_cache_bytes=5), ())
     assert "--gpu-memory-utilization" in cuda and "--kv-cache-memory-bytes" in cuda and "auto" in cuda
     env = serve_env(ParallelConfig(tensor_parallel_size=2), flags(), [[0], [1]], "secret")

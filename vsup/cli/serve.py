@@ -70,9 +70,9 @@ def serve(
     SmolLM2-135M-Instruct, converted once into the user's cache.
 
     With --engine vllm it starts a stock `vllm serve` (flags after `--` go to
-    it unchanged) on a private port and supervises the tree vLLM builds as
-    one unit; vsup's front holds --host/--port and resumes the requests of a
-    tree that died on the next one. With --replicas N, N such trees: the
+    it unchanged) on a Unix socket in the run dir and supervises the tree
+    vLLM builds as one unit; vsup's front holds --host/--port and resumes the
+    requests of a tree that died on the next one. With --replicas N, N such trees: the
     requests of one that died go on at once on another.
     """
     from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
@@ -119,11 +119,11 @@ def serve(
                            drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
                            max_model_len=max_model_len,
                            kv_cache_bytes=memory.stages[0].kv_cache_bytes if kv_cache_memory else None)
-        the_plan, upstreams = vllm_deployment(config, flags, vllm_bin, extra, api_key,
-                                              FrontFlags(resume_timeout, max_pending, max_resumes), replicas)
+        the_plan = vllm_deployment(config, flags, vllm_bin, extra, api_key,
+                                   FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas)
         run_dir.create()
         run_dir.lock()
-        vllm = {"probe_urls": upstreams, "health_timeout": health_timeout, "hang_timeout": hang_timeout}
+        vllm = {"health_timeout": health_timeout, "hang_timeout": hang_timeout}
         code, message = supervise(the_plan, run_dir, model_dir, f"http://{host}:{port}", policy, log_format.value,
                                   {}, drain_timeout, stop_timeout, startup_timeout, vllm=vllm)
         if code:

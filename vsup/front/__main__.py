@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, action="append",
-                        help="vLLM's private URL, once per replica (in replica order)")
+                        help="the Unix socket vLLM serves on, once per replica (in replica order)")
     parser.add_argument("--resume-timeout", type=float, required=True)
     parser.add_argument("--max-pending", type=int, required=True)
     parser.add_argument("--max-resumes", type=int, required=True)

@@ -1,4 +1,4 @@
-"""vsup's front for a stock vLLM: the public port, with vLLM behind it on a private one.
+"""vsup's front for a stock vLLM: the public port, with vLLM behind it on a Unix socket.
 
 Every request is forwarded chunk by chunk. A generation that the tree behind
 it dropped (a reset connection, a cut stream, a 5xx from a dead engine) is
@@ -6,7 +6,7 @@ held until the supervisor says a new tree is up, then goes on from its token
 IDs (vsup/front/resume.py), so the client sees a pause and no error. What vLLM
 itself rejects (4xx) passes through unchanged and is never retried.
 
-With --replicas N there are N trees, each on its own private port: a request
+With --replicas N there are N trees, each on its own Unix socket: a request
 goes to the least loaded one that is up, and one that a tree dropped goes on at
 once on another that is up.
 
@@ -132,10 +132,10 @@ class Front:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=5.0),
-                                                  limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=512))
-                                for url in self.upstreams]
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+                self.clients = [httpx.AsyncClient(base_url="http://vllm", timeout=httpx.Timeout(None, connect=5.0),
+                                                  transport=httpx.AsyncHTTPTransport(uds=path, limits=limits))
+                                for path in self.upstreams]
                 self.reader = asyncio.get_running_loop().create_task(self._read_supervisor())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":

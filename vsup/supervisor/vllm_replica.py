@@ -2,7 +2,7 @@
 started and the hook introduced, who each one is, and where the tree stands.
 
 With `--replicas N` the supervisor holds N of these, each its own restart unit
-(`vllm`, or `vllm r0`, `vllm r1`, ...), on its own private port, with its own
+(`vllm`, or `vllm r0`, `vllm r1`, ...), on its own Unix socket, with its own
 /dev/shm list and TMPDIR (in its own dir).
 """
 
@@ -51,7 +51,7 @@ class Tree:
     r: int | None  # None when it is the only one
     root: Child
     unit: Unit
-    probe_url: str  # where the supervisor asks /health and /metrics
+    socket: str  # where its vLLM serves: the front's upstream, and where the supervisor asks /health and /metrics
     dir: Path  # its shm list and TMPDIR note
     plan: Plan
     procs: dict[int, Observed] = field(default_factory=dict)

@@ -22,6 +22,7 @@ restarts them one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import json
@@ -30,11 +31,11 @@ import selectors
 import signal
 import threading
 import time
-import urllib.request
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
-from vsup import procfs, shm_sweep
+from vsup import addresses, procfs, shm_sweep, unix_http
 from vsup.supervisor import notify
 from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.control import listen_unix
@@ -53,7 +54,6 @@ HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @dataclass
 class VllmOptions:
-    probe_urls: list[str]  # where the supervisor itself asks /health and /metrics, one URL per replica
     health_timeout: float = 30.0
     hang_timeout: float = 120.0
 
@@ -67,12 +67,12 @@ class VllmSupervisor(Supervisor):
         self.front = Child(next(p for p in plan.processes if p.role == FRONT), FRONT)
         roots = tree_roots(plan)
         self.trees: list[Tree] = []
-        for spec, url in zip(roots, vllm.probe_urls, strict=True):
+        for spec in roots:
             root = Child(spec, unit_name(spec.r))
-            tree_dir = run_dir.path if spec.r is None else run_dir.path / f"r{spec.r}"
+            tree_dir = Path(addresses.replica_dir(str(run_dir.path), spec.r))
             tree_dir.mkdir(mode=0o700, exist_ok=True)
-            self.trees.append(Tree(spec.r, root, Unit(root.unit, [root], options.restart_policy), url, tree_dir,
-                                   plan))
+            self.trees.append(Tree(spec.r, root, Unit(root.unit, [root], options.restart_policy),
+                                   addresses.vllm_socket(str(run_dir.path), spec.r), tree_dir, plan))
         self.children = [self.front, *(t.root for t in self.trees)]
         self.units = {FRONT: Unit(FRONT, [self.front], options.restart_policy),
                       **{t.unit.name: t.unit for t in self.trees}}
@@ -185,6 +185,8 @@ class VllmSupervisor(Supervisor):
             self.on_probe(*self.probes.popleft())
 
     def start_tree(self, tree: Tree) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tree.socket)  # (its last tree's: vLLM binds the path anew)
         tmp = shm_sweep.make_tmp_dir(tree.dir)
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
@@ -290,12 +292,12 @@ class VllmSupervisor(Supervisor):
                 return
 
     @staticmethod
-    def _get(tree: Tree, path: str) -> str | None:
+    def _get(tree: Tree, route: str) -> str | None:
         try:
-            with urllib.request.urlopen(tree.probe_url + path, timeout=3.0) as response:
-                return response.read().decode(errors="replace") if response.status == 200 else None
-        except (OSError, ValueError):
+            status, body = unix_http.get(tree.socket, route, timeout=3.0)
+        except OSError:
             return None
+        return body if status == 200 else None
 
     def on_probe(self, tree: Tree, asked: float, healthy: bool, metrics) -> None:
         """One probe's answers (asked at `asked`); a probe asked before this tree started says nothing of it."""
@@ -306,6 +308,8 @@ class VllmSupervisor(Supervisor):
             tree.resolve(proc)
         if tree.state != "serving":
             if healthy:
+                with contextlib.suppress(OSError):
+                    os.chmod(tree.socket, 0o600)  # (vLLM binds it under the umask; the run dir is 0700 anyway)
                 tree.state = "serving"
                 tree.progress = Progress(self.vllm.health_timeout, self.vllm.hang_timeout, asked)
                 self.log("ready", process=tree.root.spec.name, pid=tree.root.pid,

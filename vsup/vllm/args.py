@@ -56,12 +56,13 @@ class ServeFlags:
     gpu_memory_utilization: float
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
+    uds: str | None = None  # a Unix socket to serve on instead of host and port (behind vsup's front)
 
 
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
     """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged."""
-    argv = [vllm_bin, "serve", flags.model, "--served-model-name", flags.served_model_name,
-            "--host", flags.host, "--port", str(flags.port),
+    where = ["--uds", flags.uds] if flags.uds else ["--host", flags.host, "--port", str(flags.port)]
+    argv = [vllm_bin, "serve", flags.model, "--served-model-name", flags.served_model_name, *where,
             "--tensor-parallel-size", str(config.tensor_parallel_size),
             "--pipeline-parallel-size", str(config.pipeline_parallel_size),
             "--data-parallel-size", str(config.data_parallel_size),

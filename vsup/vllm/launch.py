@@ -1,19 +1,20 @@
 """The plan of a stock vLLM deployment, with the argv and environment `vsup serve` starts it with.
 
 Finds the vllm executable and checks every flag against what the installed
-version takes, before anything starts. vLLM listens on a private port of
-127.0.0.1 with a random API key; vsup's front holds the public host and port.
-With --replicas N, N trees, each on its own port, cores (or GPUs) and none shared.
+version takes, before anything starts. vLLM listens on a Unix socket in the
+run dir (addresses.vllm_socket) with a random API key; vsup's front holds the
+public host and port. With --replicas N, N trees, each on its own socket, cores
+(or GPUs) and none shared.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import socket
 import sys
 from dataclasses import dataclass, replace
 
+from vsup import addresses
 from vsup.errors import UsageError
 from vsup.topology import WORKER, ParallelConfig, Plan
 from vsup.vllm.args import ServeFlags, cpu_placement, serve_argv, serve_env, unknown_flags
@@ -21,6 +22,7 @@ from vsup.vllm.help import find_vllm, serve_flags
 from vsup.vllm.plan import vllm_plan
 
 PRIVATE_HOST = "127.0.0.1"
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,19 @@ class FrontFlags:
 
 
 def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | None, extra: tuple[str, ...],
-                    api_key: str | None, front: FrontFlags, replicas: int = 1) -> tuple[Plan, list[str]]:
-    """The plan, and the private URL where each replica's vLLM serves behind the front."""
+                    api_key: str | None, front: FrontFlags, run_dir: str, replicas: int = 1) -> Plan:
+    """The plan of the deployment in `run_dir`: the front, and each replica's vLLM behind it."""
     binary = find_vllm(vllm_bin)
     workers = sum(p.role == WORKER and p.device == "cpu" for p in vllm_plan(config).processes)
     binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas)
     upstream_key = secrets.token_urlsafe(24)
     trees, upstreams = [], []
     for r in range(replicas):
-        private = replace(flags, host=PRIVATE_HOST, port=free_port(PRIVATE_HOST, taken=upstreams))
+        private = replace(flags, host=PRIVATE_HOST, uds=addresses.vllm_socket(run_dir, r if replicas > 1 else None))
+        if len(private.uds.encode()) > UNIX_PATH_MAX:
+            raise UsageError(f"the run dir {run_dir} is too long a path for vLLM's Unix socket in it "
+                             f"({len(private.uds.encode())} of at most {UNIX_PATH_MAX} bytes): set VSUP_HOME "
+                             f"to a shorter directory")
         env = serve_env(config, private, binds[r * workers:(r + 1) * workers], upstream_key, len(kept))
         if replicas > 1 and config.device == "cpu":  # vLLM's auto binding would put every replica on core 0
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -55,7 +61,7 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                 raise UsageError(f"the vLLM at {binary} does not take {', '.join(unknown)}; check the flags after "
                                  f"-- (`vllm serve --help=all` lists what it takes), or give another --vllm-bin")
         trees.append((tuple(argv), env))
-        upstreams.append(f"http://{PRIVATE_HOST}:{private.port}")
+        upstreams.append(private.uds)
     front_argv = (sys.executable, "-m", "vsup.front", "--host", flags.host, "--port", str(flags.port),
                   *(x for url in upstreams for x in ("--upstream", url)),
                   "--resume-timeout", str(front.resume_timeout),
@@ -63,15 +69,4 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                   "--drain-timeout", str(flags.drain_timeout),
                   *(("--cpus", ",".join(map(str, kept))) if kept else ()))
     front_env = {"VSUP_FRONT_UPSTREAM_KEY": upstream_key, **({"VSUP_API_KEY": api_key} if api_key else {})}
-    return vllm_plan(config, trees, (front_argv, front_env)), upstreams
-
-
-def free_port(host: str, taken: list[str] = ()) -> int:
-    """A port nobody listens on now (nor one of the URLs `taken`), for vLLM behind the front (kept across
-    the tree's restarts)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if not any(url.endswith(f":{port}") for url in taken):
-            return port
+    return vllm_plan(config, trees, (front_argv, front_env))

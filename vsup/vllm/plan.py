@@ -11,8 +11,8 @@
 - Helpers, counted apart: multiprocessing's resource tracker (one for the tree).
 
 Before them all, vsup's own `front` holds the public port (vsup/front), with vLLM
-on a private one behind it. With `--replicas N` there are N such trees behind the
-one front, each on its own port, and every name carries its replica (`worker r1 dp0 pp0 tp0`).
+on a Unix socket behind it. With `--replicas N` there are N such trees behind the
+one front, each on its own socket, and every name carries its replica (`worker r1 dp0 pp0 tp0`).
 
 The names are vsup's (`worker dp0 pp0 tp1`); vLLM's titles go in the title column.
 """
