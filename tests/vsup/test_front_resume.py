@@ -128,3 +128,17 @@ def test_text_that_the_dead_tree_held_back_is_made_again_and_sent_once():
     assert g.usage()["completion_tokens"] == 4
     shown = Generation(COMPLETION, {"prompt": "x", "return_token_ids": True, "stream": True})
     assert not shown.rewindable  # the client saw the IDs: it would get them twice
+
+
+def test_the_likely_token_to_go_on_from_is_where_the_clients_text_stopped_as_much_earlier_as_was_held_back():
+    """vLLM holds back as many characters after each chunk (a stop string's length less one, 3 here) of
+    " Once", " upon", " a", " time": at the cut the client has " Once upon a t", and the text of the IDs
+    of the last chunk after which it had 3 characters fewer or less is what it has of them whole."""
+    g = Generation(COMPLETION, {"model": "tiny", "prompt": "x", "stream": True, "stop": ["@@@@"]})
+    for ids, text in (([5], " O"), ([6], "nce u"), ([7], "po"), ([8], "n a t")):
+        g.on_chunk(chunk(ids, text, prompt=[1]))
+    assert g.marks == [(1, 2), (2, 7), (3, 9), (4, 14)]
+    assert g.likely_keep(held=3) == 3  # [5, 6, 7] make " Once upon a", all of which the client has
+    assert g.likely_keep(held=0) == 4 and g.likely_keep(held=99) is None
+    g.rewind(3, " Once upon a")
+    assert g.skip == 2 and g.marks[-1] == (3, 9)  # " time" is made again: the client gets "ime"

@@ -299,24 +299,44 @@ class Front:
 
     async def _rewind(self, g: Generation, client: httpx.AsyncClient, headers: dict) -> None:
         """Find text that the dead tree held back (a possible stop string, an incomplete character): the
-        last IDs whose text the client did not get all of are made again (Generation.rewind)."""
+        last IDs whose text the client did not get all of are made again (Generation.rewind). On a busy
+        tree each /detokenize is a wait: the text of all the IDs is asked first; if the client lacks some
+        of it, the chunk the client's text stopped at (Generation.likely_keep) is checked; only if that
+        fails is each of the REWIND_MAX shorter prefixes asked, all at once."""
         sent, ids = "".join(g.text), list(g.generated)
-        for keep in range(len(ids), max(-1, len(ids) - REWIND_MAX - 1), -1):
+
+        async def text_of(keep: int) -> str | None:
             try:
                 response = await client.post("/detokenize", headers=headers, timeout=10.0,
                                              json={"model": g.body.get("model"), "tokens": ids[:keep]})
                 text = response.json()["prompt"] if response.status_code == 200 else None
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 text = None
-            if not isinstance(text, str):
-                break  # (no rewind: what was held back is lost)
-            if sent.startswith(text):
-                if keep < len(ids):
-                    g.rewind(keep, text)
-                    log("resuming from the last token whose text the client got", request=g.id,
-                        held_back_tokens=len(ids) - keep)
-                break
-        g.checked = len(g.generated)
+            return text if isinstance(text, str) else None
+        try:
+            whole = await text_of(len(ids))
+            if whole is None or sent.startswith(whole):
+                return  # (nothing held back; or no rewind, and what was held back is lost)
+            keep = g.likely_keep(len(whole) - len(sent)) if whole.startswith(sent) else None
+            if keep is not None and len(ids) - REWIND_MAX <= keep < len(ids):
+                text = await text_of(keep)
+                if text is not None and sent.startswith(text):
+                    self._rewound(g, keep, text, len(ids))
+                    return
+            keeps = range(len(ids) - 1, max(-1, len(ids) - REWIND_MAX - 1), -1)
+            for keep, text in zip(keeps, await asyncio.gather(*map(text_of, keeps))):
+                if text is None:
+                    return
+                if sent.startswith(text):
+                    self._rewound(g, keep, text, len(ids))
+                    return
+        finally:
+            g.checked = len(g.generated)
+
+    @staticmethod
+    def _rewound(g: Generation, keep: int, text: str, streamed: int) -> None:
+        g.rewind(keep, text)
+        log("resuming from the last token whose text the client got", request=g.id, held_back_tokens=streamed - keep)
 
     def _end_probe(self, g: Generation, gen: int) -> None:
         if self.probing.get(gen) is g and self.probe.locked():

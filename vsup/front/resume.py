@@ -72,6 +72,8 @@ class Generation:
     dead: set[int] = field(default_factory=set)  # the gens of the trees that died under it
     skip: int = 0  # characters of the resumed stream's text that the client already got (see rewind)
     checked: int = -1  # how many generated IDs the last look at held-back text saw
+    chars: int = 0  # characters of text the client got
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (IDs, chars) after each chunk
 
     @property
     def wants_ids(self) -> bool:
@@ -118,8 +120,15 @@ class Generation:
         got). vLLM holds back the text of the last tokens while it may still turn out to be a stop string,
         or an incomplete character: the new tree makes those tokens again, and of their text the client
         is sent only what it does not have yet."""
-        self.skip = len("".join(self.text)) - len(voiced)
+        self.skip = self.chars - len(voiced)
         del self.generated[keep:]
+        self.marks = [mark for mark in self.marks if mark[0] <= keep]
+
+    def likely_keep(self, held: int) -> int | None:
+        """How many IDs to go on from when vLLM held back the last `held` characters of their text: those
+        streamed by the last chunk after which the client had `held` characters fewer than it has now (vLLM
+        holds back as many after each chunk, while the text is longer than a stop string); None if none."""
+        return next((ids for ids, chars in reversed(self.marks) if chars + held <= self.chars), None)
 
     def remaining(self) -> int | None:
         limit = limit_of(self.kind, self.body)
@@ -143,10 +152,13 @@ class Generation:
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             if text:
                 self.text.append(text)
+                self.chars += len(text)
             if self.kind == COMPLETION and choice.get("logprobs"):
                 self.logprobs.append(choice["logprobs"])
             if choice.get("finish_reason") is not None:
                 self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        if choices:
+            self.marks.append((len(self.generated), self.chars))
         if not choices and chunk.get("usage") is not None:
             self.usage_sent = self.wants_usage
             return {**self._head(), "choices": [], "usage": self.usage()} if self.wants_usage else None
