@@ -253,8 +253,11 @@ class Supervisor:
         """Drain and stop in order: API servers, coordinator, engine cores, workers; SIGKILL stragglers."""
         notify.sd_notify("STOPPING=1")
         self.save()
-        order = [(API_SERVER, self.options.drain_timeout), (COORDINATOR, self.options.stop_timeout),
-                 (ENGINE_CORE, self.options.stop_timeout), (WORKER, self.options.stop_timeout)]
+        # an API server drains for --drain-timeout itself, then gets --stop-timeout to exit, as the others
+        order = [(API_SERVER, self.options.drain_timeout + self.options.stop_timeout),
+                 (COORDINATOR, self.options.stop_timeout), (ENGINE_CORE, self.options.stop_timeout),
+                 (WORKER, self.options.stop_timeout)]
+        killed = []
         for role, timeout in order:
             group = [c for c in self.children if c.spec.role == role and c.alive]
             for child in group:
@@ -263,10 +266,17 @@ class Supervisor:
             deadline = time.monotonic() + timeout
             while any(c.alive for c in group) and time.monotonic() < deadline:
                 self.tick(timeout=0.1)
+            killed += [c.spec.name for c in group if c.alive]
             for child in group:
                 child.signal(signal.SIGKILL)
         while any(c.alive for c in self.children):
             self.tick(timeout=0.1)
+        if killed:
+            self.log("killed with SIGKILL after --stop-timeout", "warning", processes=killed)
+            if self.exit_code == 0 and self.state == "stopping":  # (systemd counts it a failed stop)
+                self.exit_code = 1
+                self.message = f"stop needed SIGKILL for {', '.join(killed)} (--stop-timeout " \
+                               f"{self.options.stop_timeout:g} s)"
         self.cleanup()
         if self.state == "stopping":
             self.state = "stopped"

@@ -565,7 +565,8 @@ class VllmSupervisor(Supervisor):
             self.log("killed with SIGKILL after --stop-timeout", "warning", processes=left)
             if self.exit_code == 0 and self.state == "stopping":
                 self.exit_code = 1
-                self.message = f"stop needed SIGKILL for {', '.join(left)}"
+                self.message = f"stop needed SIGKILL for {', '.join(left)} (--stop-timeout " \
+                               f"{self.options.stop_timeout:g} s)"
         for tree in self.trees:
             self._kill_tree(tree)
         self.front.signal(signal.SIGKILL)
