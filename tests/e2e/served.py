@@ -16,6 +16,7 @@ import httpx
 import openai
 
 from engine.api_server.local_deployment import free_port
+from tests.polling import wait_for
 
 VSUP = [sys.executable, "-m", "vsup"]
 
@@ -92,24 +93,45 @@ class Served:
             self.proc.communicate()
 
 
-def complete(client, prompt, n=24, stream=True):
-    """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment."""
+def complete(client, prompt, n=24, stream=True, seen=None):
+    """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment. `seen` gets a
+    1 for each chunk of text streamed (how far it is, for a test that injects a fault mid-stream)."""
     kwargs = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
     if not stream:
         return client.completions.create(**kwargs).choices[0].text
-    return "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs)
-                   if chunk.choices)
+    text = ""
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].text:
+            text += chunk.choices[0].text
+            if seen is not None:
+                seen.append(1)
+    return text
 
 
 def complete_all(client, prompts, n=24, during=None):
-    """Every prompt at once (a thread each); `during()` runs while they do (say, a kill -9)."""
+    """Every prompt at once (a thread each); `during(seen)` runs while they do (say, a kill -9), with the
+    chunks each stream has seen so far."""
     out = [None] * len(prompts)
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, complete(client, prompts[i], n=n)))
-               for i in range(len(prompts))]
+    seen = [[] for _ in prompts]
+    def run(i):
+        out[i] = complete(client, prompts[i], n=n, seen=seen[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     if during:
-        during()
+        during(seen)
     for t in threads:
         t.join(timeout=300)
     return out
+
+
+def mid_stream(seen, n, what, after=None):
+    """Wait until every stream has text (and, given `after`, the counts of an earlier moment, until they
+    all went on since), with some still short of their `n` chunks: then a fault hits work in flight."""
+    def ready():
+        counts = [len(s) for s in seen]
+        moved = after is None or sum(counts) >= sum(after) + len(seen)
+        return all(counts) and moved and counts
+    counts = wait_for(ready, timeout=120, what=f"streams under way before {what}")
+    assert any(c < n for c in counts), f"every stream had finished before {what}: {counts}"
+    return counts

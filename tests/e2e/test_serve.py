@@ -7,14 +7,14 @@ import os
 import signal
 import subprocess
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.conftest import held_shm
-from tests.e2e.served import VSUP, complete, complete_all
+from tests.e2e.served import VSUP, complete, complete_all, mid_stream
+from tests.polling import wait_for
 
 @pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
                          ids=["tp1", "tp2", "pp2", "dp2", "inproc-tp2"])
@@ -37,11 +37,11 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
     prompts = [f"the {i} way" for i in range(64)]
     reference = complete_all(s.client, prompts, n=48)
 
-    def faults():
-        time.sleep(0.5)
+    def faults(seen):
+        counts = None
         for name in ("worker dp0 pp0 tp0", "engine-core dp1", "coordinator"):
+            counts = mid_stream(seen, 48, f"the kill of {name}", after=counts)
             os.kill(s.pids()[name], signal.SIGKILL)
-            time.sleep(1.0)
 
     assert complete_all(s.client, prompts, n=48, during=faults) == reference
     state = s.wait_serving()
@@ -61,18 +61,19 @@ def test_sigterm_lets_running_requests_finish(serve):
     pids = list(s.pids().values())
     result = {}
 
+    seen = []
+
     def long_request():
-        result["response"] = s.client.completions.create(model="tiny", prompt="long story", max_tokens=200,
-                                                         temperature=0, extra_body={"ignore_eos": True})
+        result["text"] = complete(s.client, "long story", n=200, seen=seen)
+    reference = complete(s.client, "long story", n=200)
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.0)
+    mid_stream([seen], 200, "SIGTERM")
     s.proc.send_signal(signal.SIGTERM)
     thread.join(timeout=120)
     code, out, err = s.stop()
     assert code == 0, err
-    response = result["response"]  # it ran to its end instead of being cut
-    assert response.usage.completion_tokens == 200 and response.choices[0].finish_reason == "length"
+    assert result["text"] == reference  # it ran to its end instead of being cut
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
     assert not [n for n in set(os.listdir("/dev/shm")) - held_shm() if n.startswith("vsup-e2e-")]
 
@@ -83,6 +84,6 @@ def test_killed_supervisor_leaves_nothing_behind(serve):
     pids = list(s.pids().values())
     s.proc.kill()
     s.proc.communicate()
-    time.sleep(2)
-    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert not alive
+    wait_for(lambda: not [pid for pid in pids if psutil.pid_exists(pid)
+                          and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
+             timeout=2.0, what="the tree gone within 2 s of its supervisor")
