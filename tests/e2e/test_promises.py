@@ -2,7 +2,8 @@
 a taken port and a name already served are refused before anything starts; `ps`, `logs`, `stop` and
 `--help` never import torch; systemd hears READY=1 once it serves and STOPPING=1 on stop; SIGINT
 drains like SIGTERM; a stop that needs SIGKILL says so and exits 1; a drain that runs out cuts what
-is left and still stops cleanly.
+is left and still stops cleanly; an API server's death costs only its own connections; a rank past
+--max-restarts is routed around; `vsup restart --role worker --dp 0` loses nothing.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import subprocess
 import sys
 import threading
 
+import httpx
 import psutil
 import pytest
 
 from tests.conftest import held_shm
-from tests.e2e.served import VSUP, Served, complete
+from tests.e2e.served import VSUP, Served, complete, complete_all, mid_stream
 from tests.polling import wait_for
 
 
@@ -142,3 +144,71 @@ def test_a_drain_that_runs_out_cuts_the_rest_and_still_stops_cleanly(serve):
     assert code == 0, err
     assert "error" in outcome or len(seen) < 230, (len(seen), outcome)  # cut, not run to its end
     assert "SIGKILL" not in err and gone(pids)
+
+
+def test_an_api_servers_death_restarts_it_alone_and_drops_only_its_own_connections(serve):
+    """Two API servers share the port: kill -9 of one under 16 streams restarts it alone; the streams the
+    other held complete with the fault-free text, those of the dead one fail, and then all serve again."""
+    s = serve("--api-server-count", "2")
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(16)]
+    reference = complete_all(s.client, prompts, n=48)
+    outcomes = [None] * len(prompts)
+    seen = [[] for _ in prompts]
+
+    def run(i):
+        try:
+            outcomes[i] = complete(s.client, prompts[i], n=48, seen=seen[i])
+        except Exception as e:  # noqa: BLE001 - the outcome is the assertion
+            outcomes[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    mid_stream(seen, 48, "the kill of api-server a1")
+    os.kill(s.pids()["api-server a1"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=300)
+    kept = [o for o in outcomes if isinstance(o, str)]
+    assert kept and all(o == reference[i] for i, o in enumerate(outcomes) if isinstance(o, str))
+    assert len(kept) < len(prompts), outcomes  # (the kernel spread the connections over both)
+    state = s.wait_serving()
+    assert {p["name"]: p["restarts"] for p in state["processes"] if p["restarts"]} == {"api-server a1": 1}
+    assert complete_all(s.client, prompts, n=48) == reference
+    assert s.stop()[0] == 0
+
+
+def test_a_rank_past_max_restarts_is_marked_failed_and_routed_around(serve):
+    s = serve("-dp", "2", "--max-restarts", "0")
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(8)]
+    reference = complete_all(s.client, prompts)
+    os.kill(s.pids()["engine-core dp1"], signal.SIGKILL)
+    units = wait_for(lambda: (state := s.ps()) and state["units"]["engine-core dp1"]["state"] == "failed"
+                     and state["units"], timeout=60, what="engine-core dp1 marked failed")
+    assert [name for name, unit in units.items() if unit["state"] == "failed"] == ["engine-core dp1"], units
+    health = wait_for(lambda: (h := httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5).json())
+                      and h["status"] == "degraded" and h, timeout=60, what="/health degraded")
+    assert health["up"] == [0] and "dp1" in health["message"]
+    assert complete_all(s.client, prompts) == reference  # dp0 serves them all
+    assert s.ps()["supervisor"]["state"] == "serving"
+    assert s.stop()[0] == 0
+
+
+def test_restart_of_a_worker_by_hand_takes_the_crash_path_and_loses_nothing(serve):
+    """`vsup restart --role worker --dp 0` under 8 streams: the worker group restarts as after a crash,
+    counted, and every stream completes with the fault-free text."""
+    s = serve()
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(8)]
+    reference = complete_all(s.client, prompts, n=48)
+    before = s.pids()["worker dp0 pp0 tp0"]
+
+    def restart(seen):
+        mid_stream(seen, 48, "vsup restart")
+        result = s.vsup("restart", "--role", "worker", "--dp", "0")
+        assert result.returncode == 0, result.stderr
+    assert complete_all(s.client, prompts, n=48, during=restart) == reference
+    state = s.wait_serving()
+    worker = next(p for p in state["processes"] if p["name"] == "worker dp0 pp0 tp0")
+    assert worker["restarts"] == 1 and worker["pid"] != before
+    assert s.stop()[0] == 0
