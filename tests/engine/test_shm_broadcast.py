@@ -146,10 +146,8 @@ def test_a_killed_reader_makes_the_blocked_writer_raise(prefix, address, childre
         with pytest.raises(TimeoutError, match=r"readers \[0, 1\]"):
             writer.enqueue(b"step", timeout=0.2)
         readers[1].kill()  # SIGKILL, and left unreaped: a zombie counts as dead
-        start = time.monotonic()
-        with pytest.raises(PeerDied, match="reader 1"):
-            writer.enqueue(b"step", timeout=10)
-        assert time.monotonic() - start < 2
+        with pytest.raises(PeerDied, match="reader 1"):  # (not the TimeoutError of waiting it out)
+            writer.enqueue(b"step", timeout=60)
     finally:
         writer.close()
 
@@ -162,10 +160,8 @@ def test_a_killed_writer_makes_readers_raise_and_remove_stale_cleans_up(prefix, 
         assert [children.readline(proc), children.readline(proc)] == ["attached", "got b'first'"]
     assert remove_stale(prefix) == [] and os.path.exists(shm_path(name))  # its writer lives
     writer.kill()
-    start = time.monotonic()
     for proc in readers:
-        assert children.readline(proc, timeout=10) == "PeerDied"
-    assert time.monotonic() - start < 2
+        assert children.readline(proc, timeout=60) == "PeerDied"
     writer.wait()
     with pytest.raises(PeerDied, match="writer"):
         ShmBroadcastReader.attach(name, 0, address)
@@ -191,20 +187,19 @@ def test_an_idle_reader_uses_almost_no_cpu(prefix, address, children):
 
 
 def test_a_blocked_reader_is_woken_by_the_socket_not_the_poll_timeout(prefix, address, monkeypatch):
-    monkeypatch.setattr(shm_segment, "POLL_S", 5.0)  # a lost wakeup would now cost seconds
+    monkeypatch.setattr(shm_segment, "POLL_S", 120.0)  # a lost wakeup would now outlast the test's wait
     writer = ShmBroadcastWriter.create(prefix, 1, address, slot_bytes=64)
     reader = ShmBroadcastReader.attach(writer.name, 0, address)
     received: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=lambda: [received.put((reader.dequeue(timeout=20), time.monotonic()))
+    thread = threading.Thread(target=lambda: [received.put((reader.dequeue(timeout=200), time.monotonic()))
                                               for _ in range(3)])
     thread.start()
     try:
         for i in range(3):
             time.sleep(0.1)  # idle past BLOCK_AFTER_S: the reader now blocks on the socket
-            sent = time.monotonic()
             writer.enqueue(bytes([i]))
-            message, arrived = received.get(timeout=10)
-            assert message == bytes([i]) and arrived - sent < 0.5  # the socket, not the 5 s poll timeout
+            message, _ = received.get(timeout=60)  # woken by the socket, not the 120 s poll timeout
+            assert message == bytes([i])
     finally:
         thread.join(20)
         reader.close()
@@ -217,7 +212,7 @@ def test_timeouts_leave_nothing_half_written(prefix, address):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="no message"):
         reader.dequeue(timeout=0.05)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 10  # (it gave up: it did not wait on)
     for i in range(6):
         writer.enqueue(bytes([i]) * 16)
     big = bytes(range(64))  # four slots: fits the ring but not the two free slots
