@@ -145,9 +145,9 @@ def test_killed_supervisor_takes_the_tree_along(home):
     pids = tree_pids(serving("orphans"))
     proc.kill()
     proc.wait()
-    time.sleep(2)
-    assert not [pid for pid in pids.values() if psutil.pid_exists(pid) and
-                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    wait_for(lambda: not [pid for pid in pids.values() if psutil.pid_exists(pid) and
+                          psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
+             timeout=2.0, what="the tree gone within 2 s of its supervisor")
     proc.stdout.close()
     proc.stderr.close()
 
