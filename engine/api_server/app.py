@@ -13,6 +13,7 @@ from importlib import metadata
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.api_server import supervisor_state
 from engine.api_server.errors import OpenAIError, bad_request, error_response, install_error_handlers
 from engine.api_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from engine.api_server.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -35,8 +36,10 @@ def version() -> str:
 
 
 def build_app(serving: Serving, *, metrics=None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_server_rank: int = 0) -> FastAPI:
-    """The app around `serving`; its lifespan starts and closes the engine client."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_server_rank: int = 0,
+              state_file: str | None = None) -> FastAPI:
+    """The app around `serving`; its lifespan starts and closes the engine client. `state_file`: the
+    supervisor's state.json, for the ranks it gave up on."""
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -111,6 +114,8 @@ def build_app(serving: Serving, *, metrics=None, api_key: str | None = None,
     @app.get("/health")
     async def health():
         """200 while at least one DP rank is up, else 503; the body says which ranks are up, down, failed."""
+        for dp_rank, why in supervisor_state.failed_ranks(supervisor_state.read(state_file)).items():
+            serving.client.ranks.on_failed(dp_rank, why)
         body = {**serving.client.health(), "api_server_rank": api_server_rank}
         return JSONResponse(body, status_code=200 if body["up"] else 503)
 

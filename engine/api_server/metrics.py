@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.api_server import supervisor_state
 from engine.api_server.request_stream import RequestStream
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -149,16 +150,7 @@ class SupervisorRestartsCollector(Collector):
         self.state_file = state_file
 
     def collect(self):
-        import json
-
-        restarts = dict.fromkeys(ROLES, 0)
-        try:
-            with open(self.state_file) as f:
-                for process in json.load(f).get("processes", []):
-                    if process.get("role") in restarts:
-                        restarts[process["role"]] += int(process.get("restarts") or 0)
-        except (OSError, ValueError):
-            pass  # not written yet: every role at 0
+        restarts = supervisor_state.restarts_by_role(supervisor_state.read(self.state_file), ROLES)  # (0s: none yet)
         family = CounterMetricFamily("vsup_restarts", "Processes restarted, by role.", labels=["role"])
         for role, count in restarts.items():
             family.add_metric([role], count)

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-address", default=None, help="in-process mode, TP x PP > 1: where workers connect")
     p.add_argument("--ring-prefix", default=None, help="in-process mode, TP x PP > 1: the step ring's name prefix")
     p.add_argument("--wakeup-address", default=None, help="in-process mode, TP x PP > 1: the ring's wakeup socket")
-    p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics")
+    p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics, ranks it gave up on for /health")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
                    help=f"run the engine core and its worker in this process (or ${ENV_MULTIPROCESSING}=0)")
@@ -122,7 +122,7 @@ def build(args: argparse.Namespace):
                       max_model_len=args.max_model_len or model_config.max_model_len,
                       vocab_size=model_config.vocab_size, metrics=metrics)
     return build_app(serving, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                     api_server_rank=args.api_server_rank)
+                     api_server_rank=args.api_server_rank, state_file=args.state_file)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.api_server.dp_ranks import DpRanks, EngineUnavailable
@@ -90,3 +92,21 @@ def test_a_rank_beyond_the_configured_size_is_served():
     ranks.on_hello(3, "x", 1)
     ranks.on_ready(3, 128)
     assert ranks.choose() == 3 and "3" in ranks.summary()["dp_ranks"]
+
+
+def test_the_ranks_vsup_gave_up_on_are_read_from_its_state_file(tmp_path):
+    from engine.api_server import supervisor_state
+
+    path = tmp_path / "state.json"
+    assert supervisor_state.read(str(path)) == {} and supervisor_state.read(None) == {}  # not written yet
+    path.write_text(json.dumps({"units": {"engine-core dp1": {"state": "failed", "restarts": 0},
+                                          "worker-group dp2": {"state": "failed", "restarts": 5},
+                                          "engine-core dp0": {"state": "running", "restarts": 3},
+                                          "api-server a0": {"state": "failed", "restarts": 5}},
+                                "processes": [{"role": "worker", "restarts": 2}, {"role": "worker", "restarts": 1}]}))
+    state = supervisor_state.read(str(path))
+    failed = supervisor_state.failed_ranks(state)
+    assert sorted(failed) == [1, 2] and "engine-core dp1 after 0 restarts (--max-restarts)" in failed[1]
+    assert supervisor_state.restarts_by_role(state, ("worker", "coordinator")) == {"worker": 3, "coordinator": 0}
+    path.write_text("{half")
+    assert supervisor_state.read(str(path)) == {}

@@ -1,0 +1,42 @@
+"""What an API server reads of the supervisor's state.json (`--state-file`): the restarts per role for
+/metrics, and the DP ranks vsup gave up restarting, for /health. The file is the supervisor's, written
+whole on every change; the engine never imports vsup."""
+
+from __future__ import annotations
+
+import json
+import re
+
+_RANK_UNIT = re.compile(r"(?:engine-core|worker-group) dp(\d+)")
+
+
+def read(state_file: str | None) -> dict:
+    """The supervisor's state, or {} when there is none (yet)."""
+    if not state_file:
+        return {}
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def restarts_by_role(state: dict, roles) -> dict[str, int]:
+    restarts = dict.fromkeys(roles, 0)
+    for process in state.get("processes") or []:
+        if process.get("role") in restarts:
+            restarts[process["role"]] += int(process.get("restarts") or 0)
+    return restarts
+
+
+def failed_ranks(state: dict) -> dict[int, str]:
+    """{dp rank: why} for each rank whose engine core or worker group vsup marked failed (past
+    --max-restarts): it will not come back, where a rank that is down will."""
+    failed = {}
+    for name, unit in (state.get("units") or {}).items():
+        match = _RANK_UNIT.fullmatch(name)
+        if match and (unit or {}).get("state") == "failed":
+            failed[int(match.group(1))] = f"vsup gave up restarting {name} after {unit.get('restarts', 0)} " \
+                                          f"restarts (--max-restarts)"
+    return failed
