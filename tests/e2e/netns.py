@@ -5,11 +5,12 @@
     vsup-<pid>-n1, another node          10.213.K.2   --+
 
 Each node's namespace has lo up and one veth `eth0`, whose other end is a port of the bridge in a
-namespace of its own: a node reaches another only through its port, and `unplug(i)` pulls node i's
-cable at the switch (its port set down; this kernel has no netem, and none is needed) while every
-process keeps running. The root namespace is plugged in too, so pytest reaches the head's API server at
-the head's LAN address without entering a namespace itself; nothing is routed further (a new
-namespace does not forward), and traffic only ever goes to these addresses.
+namespace of its own. A node reaches another only through its port: `unplug(i)` pulls node i's cable
+at the switch (its port set down), or with `drop=True` has the switch drop its frames while every link
+stays up; every process keeps running (no netem needed). The root namespace is plugged in too, so
+pytest reaches the head's API server at the head's LAN address without entering a namespace itself;
+nothing is routed further (a new namespace does not forward), and traffic only ever goes to these
+addresses.
 
 `vsup serve` runs in node i as `[*lan.exec(i), ...]`: `ip netns exec` execs, it does not fork, so the
 process that Popen made is the supervisor itself and its tree stays pytest's (a child subreaper's)
@@ -51,14 +52,15 @@ def used_subnets(ip_output: str) -> set[int]:
     return {int(k) for k in re.findall(rf"\b{re.escape(PREFIX)}\.(\d+)\.\d+", ip_output)}
 
 
-def ip(*args: str) -> str:
-    """Run `ip ARGS`; NetnsError with ip's message when it fails (no root, no iproute2, ...)."""
+def ip(*args: str, tool: str = "ip") -> str:
+    """Run `ip ARGS` (or iproute2's `bridge`); NetnsError with its message when it fails (no root, no
+    iproute2, ...)."""
     try:
-        result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([tool, *args], capture_output=True, text=True, timeout=30)
     except OSError as e:
-        raise NetnsError(f"cannot run ip ({e})") from None
+        raise NetnsError(f"cannot run {tool} ({e})") from None
     if result.returncode:
-        raise NetnsError(f"ip {' '.join(args)}: {result.stderr.strip() or f'exit {result.returncode}'}")
+        raise NetnsError(f"{tool} {' '.join(args)}: {result.stderr.strip() or f'exit {result.returncode}'}")
     return result.stdout
 
 
@@ -74,6 +76,7 @@ class Lan:
         self.root_link = f"vs{self.tag}"[:15]  # a device name in the root namespace: 15 characters at most
         self.subnet: int | None = None
         self.made: list[str] = []  # namespaces made so far, for close()
+        self.unplugged: dict[int, bool] = {}  # node -> whether its frames are dropped (else its port is down)
 
     def address(self, i: int) -> str:
         """Node i's address on the LAN (node 0 is the head)."""
@@ -113,12 +116,22 @@ class Lan:
 
     # faults
 
-    def unplug(self, i: int) -> None:
-        """Cut node i off the LAN (its switch port down); its processes run on and see no error."""
-        ip("-n", self.switch, "link", "set", f"n{i}", "down")
+    def unplug(self, i: int, drop: bool = False) -> None:
+        """Cut node i off the LAN; its processes run on and see no error. By default its port goes down, so
+        node i's own link loses its carrier (its kernel notices); with `drop` the switch drops the port's
+        frames while every link stays up (a fault further away: no kernel notices, TCP only times out)."""
+        if drop:
+            ip("-n", self.switch, "link", "set", "dev", f"n{i}", "state", "0", tool="bridge")  # 0: disabled
+        else:
+            ip("-n", self.switch, "link", "set", f"n{i}", "down")
+        self.unplugged[i] = drop
 
     def plug(self, i: int) -> None:
-        ip("-n", self.switch, "link", "set", f"n{i}", "up")
+        """Undo unplug(i)."""
+        if self.unplugged.pop(i):
+            ip("-n", self.switch, "link", "set", "dev", f"n{i}", "state", "3", tool="bridge")  # 3: forwarding
+        else:
+            ip("-n", self.switch, "link", "set", f"n{i}", "up")
 
     def pids(self, i: int) -> list[int]:
         """The live processes in node i's namespace (zombies have left it)."""
