@@ -7,8 +7,11 @@ torch.distributed at all). Global rank = pp_rank * tp_size + tp_rank.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,37 @@ def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
+
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def interface_of(address: str, interfaces: dict[str, list[str]]) -> str | None:
+    """The name of the interface that carries `address`, out of {name: [its addresses]}."""
+    return next((name for name, addresses in interfaces.items() if address in addresses), None)
+
+
+def gloo_interface(init_method: str) -> str | None:
+    """The interface through which this host reaches a tcp:// rendezvous: where gloo must listen.
+
+    Left alone, gloo listens on the address that the host's name resolves to, and tells the other
+    ranks to connect there; where the name resolves to loopback (127.0.1.1 by default on Debian and
+    Ubuntu), a rank on another node cannot, and the group never forms. The address the kernel sends
+    from toward the master is one the others can reach (a UDP connect sends nothing). None for
+    file:// or a host that does not resolve."""
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname:
+        return None
+    try:
+        family, _, _, _, where = socket.getaddrinfo(url.hostname, url.port or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    import psutil
+
+    return interface_of(local, {name: [a.address for a in addrs] for name, addrs in psutil.net_if_addrs().items()})
 
 
 @dataclass(frozen=True)
@@ -71,6 +105,10 @@ class ParallelGroups:
                      pp_rank=rank // tp_size, device=device)
         if world_size == 1:
             return groups
+        if device.type != "cuda" and not os.environ.get(GLOO_IFNAME):  # an operator's choice wins
+            interface = gloo_interface(init_method)
+            if interface:
+                os.environ[GLOO_IFNAME] = interface  # gloo reads only this
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                                 world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
         groups.is_initialized = True

@@ -19,16 +19,6 @@ from zmq.utils.monitor import parse_monitor_message
 from engine import cluster
 from engine.executor.shm_segment import PeerDied
 
-HEARTBEAT_MS = 1000        # ping the peer this often
-HEARTBEAT_TIMEOUT_MS = 5000  # no traffic for this long: the connection is dead
-
-
-def _heartbeat(sock: zmq.Socket) -> None:
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-
-
 class TcpBroadcastWriter:
     """The engine core's end: binds `address` and sends every message to all remote readers."""
 
@@ -38,8 +28,7 @@ class TcpBroadcastWriter:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)        # never drop a step
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every reader's subscription reaches us
-        _heartbeat(self.sock)
-        cluster.bind(self.sock, address)
+        cluster.bind(self.sock, address)  # tcp://: with ZeroMQ's heartbeats
         self.subscribed = 0
 
     def wait_for_readers(self, timeout: float) -> None:
@@ -68,7 +57,6 @@ class TcpBroadcastReader:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        _heartbeat(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         cluster.connect(self.sock, address)
 

@@ -27,15 +27,20 @@ class Served:
     Its stdout is read only at the end, on purpose: a console nobody reads
     (a full pipe) must not stall the supervisor, and the chaos test fills it."""
 
-    def __init__(self, home, model, *flags, name="e2e", kv_cache_memory="4MiB", env=None):
+    def __init__(self, home, model, *flags, name="e2e", kv_cache_memory="4MiB", env=None, host="127.0.0.1",
+                 prefix=()):
+        """`host`: where its API server listens and the client reaches it; `prefix`: what runs the command
+        (`ip netns exec NS` for a node in a network namespace of its own: it execs, so `proc` is still
+        the supervisor)."""
         self.home, self.name, self.port = str(home), name, free_port()
+        self.url = f"http://{host}:{self.port}"
         self.env = {**os.environ, "VSUP_HOME": self.home, **(env or {})}
-        self.proc = subprocess.Popen([*VSUP, "serve", model, "--name", name, "--port", str(self.port),
-                                      "--device", "cpu", "--kv-cache-memory", kv_cache_memory, "--max-model-len", "256",
-                                      "--served-model-name", "tiny", "--log-format", "json", *flags],
+        self.proc = subprocess.Popen([*prefix, *VSUP, "serve", model, "--name", name, "--host", host,
+                                      "--port", str(self.port), "--device", "cpu", "--kv-cache-memory", kv_cache_memory,
+                                      "--max-model-len", "256", "--served-model-name", "tiny", "--log-format", "json",
+                                      *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
-                                    timeout=120)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
 
     def vsup(self, *args):
         return subprocess.run([*VSUP, *args, "--name", self.name], capture_output=True, text=True, timeout=60,
@@ -62,7 +67,7 @@ class Served:
 
     def counters(self) -> dict[int, tuple[int, int, int]]:
         """Each DP rank's (steps, dummy steps, requests) as /metrics shows them (DP > 1)."""
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=30).text
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
         found: dict[int, dict[str, int]] = {}
         for name, rank, value in re.findall(
                 r'^vsup_engine_(steps|dummy_steps|requests)_total\{dp_rank="(\d+)"\} (\S+)$', text, re.M):
@@ -135,3 +140,45 @@ def mid_stream(seen, n, what, after=None):
     counts = wait_for(ready, timeout=120, what=f"streams under way before {what}")
     assert any(c < n for c in counts), f"every stream had finished before {what}: {counts}"
     return counts
+
+
+class Streams:
+    """Greedy streams at once (a thread each), watched chunk by chunk: a fault test waits until every one
+    has streamed text, injects its fault while they run, then reads what they made."""
+
+    def __init__(self, client, prompts, n=24):
+        self.chunks: list[list[str]] = [[] for _ in prompts]
+        self.finished = [False] * len(prompts)
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(client, i, prompt, n), daemon=True)
+                        for i, prompt in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client, i, prompt, n):
+        try:
+            for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text:
+                    self.chunks[i].append(chunk.choices[0].text)
+        except Exception as e:  # the test reports it
+            self.errors.append(f"stream {i}: {type(e).__name__}: {e}")
+        finally:
+            self.finished[i] = True
+
+    def all_streaming(self) -> bool:
+        """Every stream has streamed text (some may have finished)."""
+        return all(self.chunks)
+
+    def running(self) -> list[int]:
+        """The streams that have streamed text and not finished: work in flight."""
+        return [i for i, chunks in enumerate(self.chunks) if chunks and not self.finished[i]]
+
+    def texts(self, timeout=120) -> list[str]:
+        """Each stream's whole text, once all ended; AssertionError naming any that failed."""
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert all(self.finished), f"streams still running after {timeout} s: {self.running()}"
+        assert not self.errors, self.errors
+        return ["".join(chunks) for chunks in self.chunks]

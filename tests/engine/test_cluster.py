@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,6 +96,29 @@ def test_a_client_learns_that_the_server_refuses_its_handshake(guarded):
     assert received(server) == [b"hi"]
     ok.check()  # a success resets the count: no raise
     ok.close()
+
+
+def test_a_silent_connection_is_dropped_and_a_new_one_made_when_the_peer_speaks_again(guarded):
+    """A partition leaves a TCP connection open and silent, as a stopped process does: the heartbeats
+    drop it, and the peer's messages then come over a new one, not after TCP's backed-off retries."""
+    server, _client, _guard, _logs = guarded
+    address = server.getsockopt_string(zmq.LAST_ENDPOINT)
+    dropped = server.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, zmq; from engine import cluster; sock = zmq.Context().socket(zmq.DEALER); "
+        "cluster.connect(sock, sys.argv[1])\n"
+        "while True: sock.send(b'alive'); time.sleep(0.2)"), address], env=os.environ)
+    try:
+        assert received(server, timeout_ms=30_000)[:1] == [b"alive"]
+        peer.send_signal(signal.SIGSTOP)
+        assert dropped.poll(30_000), "the silent connection was never dropped"
+        received(server, timeout_ms=100)  # what came before the stop
+        peer.send_signal(signal.SIGCONT)
+        assert received(server, timeout_ms=30_000)[:1] == [b"alive"]
+    finally:
+        peer.kill()
+        peer.wait()
+        dropped.close(linger=0)
 
 
 def test_tcp_without_a_secret_is_refused_before_any_socket_opens(monkeypatch):

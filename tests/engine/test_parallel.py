@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.distributed import ParallelGroups
+from engine.distributed import ParallelGroups, gloo_interface, interface_of
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -175,3 +175,11 @@ def test_a_rank_that_never_comes_is_an_error_not_a_hang(tmp_path):
 def test_rank_outside_the_group_is_refused():
     with pytest.raises(ValueError, match="outside a group of 2 x 2"):
         ParallelGroups.init(2, 2, 4, "tcp://127.0.0.1:1")
+
+
+def test_gloo_listens_on_the_interface_that_reaches_the_rendezvous():
+    """Not where the host name resolves (loopback on many hosts, which other nodes cannot reach)."""
+    interfaces = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.2", "fe80::1%eth0"]}
+    assert interface_of("10.0.0.2", interfaces) == "eth0" and interface_of("10.0.0.9", interfaces) is None
+    assert gloo_interface("tcp://127.0.0.1:29500") == "lo"  # the kernel reaches loopback over lo
+    assert gloo_interface("file:///tmp/dist") is None and gloo_interface("tcp://:29500") is None
