@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import held_shm
-from tests.e2e.served import VSUP, Served, complete, complete_all, mid_stream
+from tests.e2e.served import VSUP, Served, Streams, complete, complete_all, mid_stream
 from tests.polling import wait_for
 
 
@@ -35,25 +35,6 @@ def live(model, tmp_path_factory):
 
 def gone(pids) -> bool:
     return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
-
-def streaming(s: Served, n: int):
-    """One greedy stream of `n` tokens in a thread; returns (thread, chunks seen, outcome)."""
-    seen, outcome = [], {}
-
-    def run():
-        try:
-            for chunk in s.client.completions.create(model="tiny", prompt="a long story", max_tokens=n, stream=True,
-                                                     temperature=0, extra_body={"ignore_eos": True}):
-                if chunk.choices:
-                    seen.append(chunk.choices[0].text)
-            outcome["done"] = True
-        except Exception as e:  # noqa: BLE001 - the outcome is the assertion
-            outcome["error"] = e
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: seen, timeout=120, what="the stream under way")
-    return thread, seen, outcome
 
 
 def test_a_taken_port_is_refused_before_anything_starts(model, tmp_path):
@@ -106,15 +87,16 @@ def test_systemd_hears_ready_once_serving_and_sigint_drains_a_running_request(mo
             assert s.ps()["supervisor"]["state"] == "serving"
             reference = complete(s.client, "a long story", n=200)
             pids = list(s.pids().values())
-            thread, seen, outcome = streaming(s, 200)
+            stream = Streams(s.client, ["a long story"], n=200)
+            wait_for(stream.running, timeout=120, what="the stream under way")
             s.proc.send_signal(signal.SIGINT)
             assert sock.recv(64) == b"STOPPING=1"
-            thread.join(timeout=120)
+            texts = stream.texts(timeout=120)
             code, _, err = s.stop()
         finally:
             s.kill()
     assert code == 0, err
-    assert outcome == {"done": True} and "".join(seen) == reference  # it ran to its end
+    assert texts == [reference]  # it ran to its end, with no error
     assert gone(pids)
     assert not [n for n in set(os.listdir("/dev/shm")) - held_shm() if n.startswith("vsup-e2e-")]
 
@@ -123,7 +105,8 @@ def test_a_stop_that_needs_sigkill_says_so_and_exits_1(serve):
     """A worker that does not answer SIGTERM (stopped here) is killed after --stop-timeout; the stop is not
     a clean one, and systemd must hear so."""
     s = serve("--stop-timeout", "2")
-    pids = s.wait_serving() and s.pids()
+    s.wait_serving()
+    pids = s.pids()
     os.kill(pids["worker dp0 pp0 tp0"], signal.SIGSTOP)
     code, _, err = s.stop()
     assert code == 1, err
@@ -137,12 +120,14 @@ def test_a_drain_that_runs_out_cuts_the_rest_and_still_stops_cleanly(serve):
     s = serve("--drain-timeout", "0.2", "--stop-timeout", "20")
     s.wait_serving()
     pids = list(s.pids().values())
-    thread, seen, outcome = streaming(s, 230)  # a step of the engine each: seconds, on these cores
+    stream = Streams(s.client, ["a long story"], n=230)  # a step of the engine each: seconds, on these cores
+    wait_for(stream.running, timeout=120, what="the stream under way")
     s.proc.send_signal(signal.SIGTERM)
-    thread.join(timeout=120)
+    for t in stream.threads:
+        t.join(timeout=120)
     code, _, err = s.stop()
     assert code == 0, err
-    assert "error" in outcome or len(seen) < 230, (len(seen), outcome)  # cut, not run to its end
+    assert stream.errors or len(stream.chunks[0]) < 230, (len(stream.chunks[0]), stream.errors)  # cut
     assert "SIGKILL" not in err and gone(pids)
 
 
