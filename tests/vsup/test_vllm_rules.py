@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -169,3 +170,30 @@ def test_plan_engine_vllm_on_the_command_line():
     extra = subprocess.run([sys.executable, "-m", "vsup", "plan", "--device", "cpu", "--", "--enforce-eager"],
                            capture_output=True, text=True)
     assert extra.returncode == 2 and "only --engine vllm" in extra.stderr
+
+
+def test_the_tree_is_blamed_on_the_process_whose_end_ended_it():
+    """A worker that exited 0 or died of its engine core's SIGTERM (sent after a 5 s grace a loaded machine
+    passes) was told to stop: its engine core is blamed; a worker killed otherwise is; a process whose
+    parent is dead followed it out."""
+    from types import SimpleNamespace
+
+    from vsup.supervisor.vllm_replica import Observed, Tree
+
+    gone, gone_too = subprocess.Popen(["true"]), subprocess.Popen(["true"])
+    gone.wait(), gone_too.wait()
+    root = SimpleNamespace(pid=gone.pid + 100_000, popen=SimpleNamespace(poll=lambda: None), alive=True)
+
+    def blamed(worker_exit, core_alive=True, core_exit=None):
+        core = Observed(pid=os.getpid() if core_alive else gone_too.pid, ppid=root.pid, pidfd=None, name="engine-core dp0",
+                        last_exit=core_exit)
+        worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit)
+        tree = Tree(r=None, root=root, unit=None, socket="", dir=None, plan=None,
+                    procs={core.pid: core, worker.pid: worker})
+        return tree.first_to_die(worker).name
+
+    assert blamed("exit 0") == "engine-core dp0"
+    assert blamed("signal 15 (SIGTERM)") == "engine-core dp0"
+    assert blamed("signal 9 (SIGKILL)") == "worker dp0 pp0 tp0"
+    assert blamed("exit 1") == "worker dp0 pp0 tp0"
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)") == "engine-core dp0"

@@ -8,12 +8,13 @@ With `--replicas N` the supervisor holds N of these, each its own restart unit
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vsup import procfs
-from vsup.supervisor.child import Child
+from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.manager import Unit
 from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
 from vsup.vllm import names
@@ -21,6 +22,7 @@ from vsup.vllm.plan import RESOURCE_TRACKER, helper_name
 from vsup.vllm.progress import Progress
 
 UNIT = "vllm"
+BY_SIGTERM = describe_exit(-signal.SIGTERM)
 
 
 def unit_name(r: int | None) -> str:
@@ -152,16 +154,18 @@ class Tree:
 
     def first_to_die(self, proc):
         """The process whose end ended the tree. One whose parent is dead too followed it out
-        (PR_SET_PDEATHSIG), and one that exited 0 was told to by its parent (vLLM's processes never
-        end cleanly on their own, and an engine core stops its workers before it exits): the parent is."""
+        (PR_SET_PDEATHSIG), and one that was told to stop by its parent: the parent is. vLLM's processes
+        never end cleanly on their own; an engine core stops its workers before it exits, and sends
+        SIGTERM to those still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded
+        machine passes); a worker's own SIGTERM handler turns a kill -TERM from anyone else into exit 0."""
         seen = set()
         while isinstance(proc, Observed) and proc.ppid not in seen:
             seen.add(proc.ppid)
             parent = self.root if proc.ppid == self.root.pid else self.procs.get(proc.ppid)
             if parent is None or parent is self.root and proc.last_exit == "exit 0":
                 break
-            if proc.last_exit != "exit 0" and (parent.popen.poll() is None if parent is self.root
-                                               else procfs.running(parent.pid)):
+            told = proc.last_exit == "exit 0" or proc.last_exit == BY_SIGTERM and parent is not self.root
+            if not told and (parent.popen.poll() is None if parent is self.root else procfs.running(parent.pid)):
                 break
             if parent is not self.root and parent.last_exit is None:
                 parent.last_exit = procfs.exit_status(parent.pid)
