@@ -27,6 +27,10 @@ from tests.e2e.vllm_served import (fault_free, in_flight, plan_names, running, s
                                    vllm_bin_or_skip)
 from tests.polling import wait_for
 
+# each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
+# again on a loaded one): the default 300 s per test is too tight
+pytestmark = pytest.mark.timeout(600)
+
 NATIVE = "native fd-2 write of the test hook"
 POISON = (4040, 4041, 4042, 4043)  # token IDs no test prompt holds in a row: the engine core dies on them
 

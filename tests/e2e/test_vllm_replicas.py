@@ -21,6 +21,11 @@ import pytest
 from tests.e2e.vllm_served import fault_free, in_flight, plan_names, running, serve_vllm, tree_pids, vllm_bin_or_skip
 from tests.polling import wait_for
 
+# each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
+# again on a loaded one): the default 300 s per test is too tight
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def vllm_bin():
     return vllm_bin_or_skip()
@@ -37,7 +42,9 @@ def replicas(vllm_bin, tmp_path_factory):
     s.kill()
 
 
-VICTIMS = ("worker r0 dp0 pp0 tp0", "engine-core r1 dp0", "api-server r0 a0")
+# a worker's death reaches the API server as an engine error, an API server's as a dropped connection (an
+# engine core's is like a worker's: test_vllm.py kills each of the three under one replica)
+VICTIMS = ("worker r0 dp0 pp0 tp0", "api-server r1 a0")
 N = 48  # tokens per stream: 16 of them run 5-10 s on two cores
 
 
@@ -48,9 +55,10 @@ def reference(replicas):
     return fault_free(replicas.client, 16, N)
 
 
+@pytest.mark.timeout(900)  # it carries the module's start of two trees, and waits for each killed tree's restart
 def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, reference):
-    """16 greedy streams, chat and completions, over both trees; then kill -9 of replica 0's worker, of
-    replica 1's engine core and of replica 0's API server, each under 16 new streams. Each time the dead
+    """16 greedy streams, chat and completions, over both trees; then kill -9 of replica 0's worker and of
+    replica 1's API server, each under 16 new streams. Each time the dead
     tree's streams go on on the other tree within seconds (one replica makes them wait for a whole new
     tree), each with exactly the text of a fault-free run; only the tree that lost a process restarts."""
     state = replicas.wait_serving(timeout=400)
@@ -80,8 +88,8 @@ def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, 
                  what=f"every process of {replica}'s tree gone after the kill of {victim}")
     print(f"kill -9: the longest pause of a stream, with 2 replicas: {', '.join(f'{p:.2f}' for p in pauses)} s")
     state = replicas.wait_serving(timeout=400)
-    assert state["units"]["vllm r0"]["by_role"] == {"worker": 1, "api-server": 1}
-    assert state["units"]["vllm r1"]["by_role"] == {"engine-core": 1}
+    assert state["units"]["vllm r0"]["by_role"] == {"worker": 1}
+    assert state["units"]["vllm r1"]["by_role"] == {"api-server": 1}
     worker_lines = replicas.vsup("logs", "--json", "--role", "worker", "--replica", "1").stdout.splitlines()
     assert worker_lines and {json.loads(line)["name"] for line in worker_lines} == {"worker r1 dp0 pp0 tp0"}
 
@@ -127,5 +135,5 @@ def test_a_rolling_restart_loses_no_request_and_always_serves(replicas, referenc
     after = tree_pids(state)
     assert all(after[name] != pid for name, pid in before.items() if name != "front")  # every tree is new
     assert after["front"] == before["front"]
-    assert state["units"]["vllm r0"]["by_role"] == {"worker": 1, "api-server": 1}  # the kills above, no more
-    assert state["units"]["vllm r1"]["by_role"] == {"engine-core": 1}
+    assert state["units"]["vllm r0"]["by_role"] == {"worker": 1}  # the kills above, no more
+    assert state["units"]["vllm r1"]["by_role"] == {"api-server": 1}
