@@ -1,13 +1,15 @@
 """README promises of `vsup serve` over the real engine (the tiny model), each shown with real processes:
 a taken port and a name already served are refused before anything starts; `ps`, `logs`, `stop` and
 `--help` never import torch; systemd hears READY=1 once it serves and STOPPING=1 on stop; SIGINT
-drains like SIGTERM; a stop that needs SIGKILL says so and exits 1; a drain that runs out cuts what
+drains like SIGTERM; a stop ends the API servers, the coordinator, then the engine cores and their
+workers; a stop that needs SIGKILL says so and exits 1; a drain that runs out cuts what
 is left and still stops cleanly; an API server's death costs only its own connections; a rank past
 --max-restarts is routed around; `vsup restart --role worker --dp 0` loses nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -99,6 +101,21 @@ def test_systemd_hears_ready_once_serving_and_sigint_drains_a_running_request(mo
     assert texts == [reference]  # it ran to its end, with no error
     assert gone(pids)
     assert not [n for n in set(os.listdir("/dev/shm")) - held_shm() if n.startswith("vsup-e2e-")]
+
+
+def test_a_stop_ends_the_api_servers_then_the_coordinator_then_the_cores_and_their_workers(serve):
+    """Requests drain at the API servers first, then the coordinator goes, then the engine cores, each of
+    which tells its own workers to exit as it stops (so a worker may leave a moment before its core)."""
+    s = serve("-dp", "2", "-tp", "2", "--api-server-count", "2", "--dp-lockstep")
+    pids = s.wait_serving() and s.pids()
+    code, out, err = s.stop()
+    assert code == 0, err
+    stopped = [r["process"] for r in map(json.loads, out.splitlines()) if r.get("event") == "process stopped"]
+    assert sorted(stopped) == sorted(pids), stopped  # each one, once
+    order = {"api-server": 0, "coordinator": 1, "engine-core": 2, "worker": 2}
+    ranks = [order[name.split()[0]] for name in stopped]
+    assert ranks == sorted(ranks), stopped
+    assert gone(pids.values())
 
 
 def test_a_stop_that_needs_sigkill_says_so_and_exits_1(serve):

@@ -174,6 +174,7 @@ class Supervisor:
         unit = self.units[child.unit]
         if self.stopping:
             child.state = "stopped"
+            self.log("process stopped", process=child.spec.name, pid=child.pid, exit=child.last_exit)
             self.save()
             return
         child.state = "exited"
