@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ BENCHES = {
     "engine_decode": "bench/engine_decode.py",
     "ring_buffer": "bench/ring_buffer.py",
     "supervisor": "bench/supervisor.py",
+    "soak": "bench/soak.py",
     "plan_latency": "bench/plan_latency.py",
     "vllm_cpu": "bench/vllm_cpu.py",
     "vllm_supervised": "bench/vllm_supervised.py",
@@ -466,6 +468,19 @@ class Report:
         else:
             why = w["detect"].get("why_not") or "smoke mode: detection only"
             self.add(f"- vsup around a stock vLLM: not measured ({why})")
+        k = self.need("soak")
+        if k is not None:
+            r, kills = k["requests"], k["kills"]
+            roles = ", ".join(f"{n} {role}" for role, n in sorted(Counter(x["role"] for x in kills).items()))
+            sup = k["resources"]["growth"].get("supervisor", {})
+            self.add(f"- soak (`soak.json`, {k['minutes']:g} min, {k['streams']} streams, DP=2): {len(kills)} kills -9 "
+                     f"({roles}); requests with the fault-free text **{r.get('ok', 0)}**, with another text "
+                     f"**{r.get('different', 0)}**, failed **{r.get('failed', 0)}** (goal 0), cut with a killed API "
+                     f"server's connections {r.get('api_server_cut', 0)}; the supervisor's RSS "
+                     f"{sup.get('rss_mb', float('nan')):.2f}x and fds {sup.get('fds', float('nan')):.2f}x from "
+                     f"warm-up to the end (goal <= 1.1)")
+            self.goal("soak: requests failed under kill -9 every 20-40 s = 0", str(r.get("failed", 0)),
+                      "met" if not r.get("failed") and not r.get("different") else "not met")
         self.add("")
         if bars:
             self.figure("supervisor.png", "The supervisor's figures, each over its baseline",

@@ -29,6 +29,7 @@ BENCHES = {
     "engine_core": ["throughput", "step_overhead", "ring_round_trip", "multiprocess"],
     "scaling": ["rows", "configs", "notes"],
     "supervisor": ["serve", "log", "ps"],
+    "soak": ["kills", "requests", "resources"],
     "engine_decode": ["decode"],
     "plan_latency": ["vsup_plan_s", "import_typer_s", "ratio"],
     "ring_buffer": ["rows"],
