@@ -107,7 +107,8 @@ def test_a_stop_ends_the_api_servers_then_the_coordinator_then_the_cores_and_the
     """Requests drain at the API servers first, then the coordinator goes, then the engine cores, each of
     which tells its own workers to exit as it stops (so a worker may leave a moment before its core)."""
     s = serve("-dp", "2", "-tp", "2", "--api-server-count", "2", "--dp-lockstep")
-    pids = s.wait_serving() and s.pids()
+    s.wait_serving()
+    pids = s.pids()
     code, out, err = s.stop()
     assert code == 0, err
     stopped = [r["process"] for r in map(json.loads, out.splitlines()) if r.get("event") == "process stopped"]
