@@ -14,6 +14,7 @@ import msgspec
 from engine.core.request import RequestUpdate
 from engine.core.scheduler import SchedulerStats
 from engine.sampling.params import SamplingParams
+from engine.wire import Decoder
 
 # core -> API server: lifecycle
 
@@ -104,8 +105,8 @@ ToCore = AddRequest | AbortRequests | UtilityCall | Refused
 FromCore = Hello | Ready | Failed | Outputs | UtilityResult
 
 encoder = msgspec.msgpack.Encoder()
-to_core = msgspec.msgpack.Decoder(ToCore)
-from_core = msgspec.msgpack.Decoder(FromCore)
+to_core = Decoder(ToCore)
+from_core = Decoder(FromCore)
 
 
 # supervisor -> core, on the core's control socket (vsup encodes these as plain msgpack maps)
@@ -122,7 +123,7 @@ class Stop(msgspec.Struct, tag="stop"):
 
 
 ToControl = WorkersLost | Stop
-control = msgspec.msgpack.Decoder(ToControl)
+control = Decoder(ToControl)
 
 
 # engine cores -> coordinator -> API servers (DP > 1)
@@ -150,7 +151,7 @@ class LoadStats(msgspec.Struct, tag="load_stats"):
     counters: dict[int, list[int]] = {}
 
 
-coordinator_out = msgspec.msgpack.Decoder(LoadStats)
+coordinator_out = Decoder(LoadStats)
 
 
 # --dp-lockstep: the wave protocol. While any rank has work, every live rank runs one step (a dummy
@@ -187,5 +188,5 @@ class WaveEnd(msgspec.Struct, tag="wave_end", array_like=True):
     wave: int
 
 
-to_coordinator = msgspec.msgpack.Decoder(CoreLoad | WaveReport)
-from_waves = msgspec.msgpack.Decoder(WaveGo | WaveEnd)
+to_coordinator = Decoder(CoreLoad | WaveReport)
+from_waves = Decoder(WaveGo | WaveEnd)

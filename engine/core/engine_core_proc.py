@@ -31,6 +31,7 @@ from engine.model.config import ModelConfig, eos_token_ids
 from engine.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused, Stop,
                              UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost, control, encoder,
                              from_waves, to_core)
+from engine.wire import Decoder
 
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
@@ -381,7 +382,7 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def pending(sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, sender: str):
+def pending(sock: zmq.Socket, decoder: Decoder, sender: str):
     """Every message waiting on `sock`, decoded; a malformed one is logged and dropped."""
     while True:
         try:

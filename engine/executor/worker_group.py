@@ -71,7 +71,12 @@ class WorkerGroup:
                 self._check_alive()
                 self.check_connections()
                 continue
-            identity, raw = self.sock.recv_multipart()
+            frames = self.sock.recv_multipart()
+            if len(frames) != 2:  # a worker sends one frame; the ROUTER puts the sender's identity first
+                log.warning("dropped malformed message", sender=frames[0].decode(errors="replace"),
+                            num_frames=len(frames))
+                continue
+            identity, raw = frames
             try:
                 msg = from_worker.decode(raw)
             except msgspec.DecodeError as e:

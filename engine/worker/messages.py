@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.wire import Decoder
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -64,6 +65,6 @@ Step = SchedulerOutput | Shutdown
 FromWorker = WorkerReady | CacheReady | ModelRunnerOutput | WorkerFailed
 
 encoder = msgspec.msgpack.Encoder()
-to_worker = msgspec.msgpack.Decoder(InitializeCache)  # the only message the socket brings a worker
-from_ring = msgspec.msgpack.Decoder(Step)
-from_worker = msgspec.msgpack.Decoder(FromWorker)
+to_worker = Decoder(InitializeCache)  # the only message the socket brings a worker
+from_ring = Decoder(Step)
+from_worker = Decoder(FromWorker)

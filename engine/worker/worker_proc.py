@@ -26,6 +26,7 @@ from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastRead
 from engine.executor.tcp_broadcast import TcpBroadcastReader
 from engine.log import configure
 from engine.process import become
+from engine.wire import Decoder
 from engine.worker.messages import CacheReady, Shutdown, WorkerFailed, WorkerReady, encoder, from_ring, to_worker
 from engine.worker.worker import Worker, WorkerConfig
 
@@ -138,7 +139,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         ring.close()
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, raw: bytes, log):
+def _decode(decoder: Decoder, raw: bytes, log):
     """The message in `raw`, or None (logged) when it is malformed or not one we take."""
     try:
         return decoder.decode(raw)

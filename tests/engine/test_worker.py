@@ -9,11 +9,15 @@ import sys
 
 import psutil
 import pytest
+import structlog
+import zmq
 
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.sampling.params import SamplingParams
 from engine.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
+from engine.worker.messages import WorkerReady, encoder
 from engine.worker.worker import Worker, WorkerConfig
+from tests.malformed import nested_too_deep
 
 BLOCK = 4
 PROMPTS = {"a": [5, 17, 42, 99, 3, 250, 7], "b": [11, 12, 13]}
@@ -173,6 +177,29 @@ def test_malformed_message_is_dropped_and_logged(tmp_path, tiny_model):
         logs = stop(procs)
     events = [json.loads(line)["event"] for line in logs[0].splitlines()]
     assert events.count("dropped malformed message") == 2  # one on the socket, one in the ring
+
+
+def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
+    """A worker sends one frame: the group logs and drops anything else, and still takes the READY after it."""
+    group = make_group(tmp_path, 1)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(f"ipc://{tmp_path}/w.sock")
+    ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
+                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0)
+    try:
+        peer.send_multipart([b"\xc1", b"two frames"])
+        peer.send(nested_too_deep(encoder.encode(ready), 5000))
+        peer.send(encoder.encode(ready))
+        with structlog.testing.capture_logs() as logs:
+            assert group.wait_for_ready(timeout_s=10) == [ready]
+    finally:
+        peer.close(linger=0)
+        ctx.term()
+        group.close(shutdown_workers=False)
+    dropped = [e for e in logs if e["event"] == "dropped malformed message"]
+    assert [e.get("num_frames") for e in dropped] == [3, None], logs
+    assert "nested deeper" in dropped[1]["error"]
 
 
 def test_default_model_answers_paris():

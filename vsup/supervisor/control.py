@@ -1,7 +1,10 @@
 """The control socket: `vsup ps`, `stop` and `restart` ask the running supervisor over it.
 
 A Unix stream socket (0600) in the run dir; one JSON request line, one JSON
-answer line per connection.
+answer line per connection. A request that is no JSON object, longer than
+MAX_REQUEST_BYTES or slower than REQUEST_TIMEOUT_S in all is answered with
+an error and logged: the supervisor's one thread, which also restarts the
+processes, must not die of it nor wait on it.
 """
 
 from __future__ import annotations
@@ -9,8 +12,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import psutil
+
+MAX_REQUEST_BYTES = 64 << 10
+REQUEST_TIMEOUT_S = 2.0
 
 
 class ControlServer:
@@ -26,13 +33,15 @@ class ControlServer:
         except BlockingIOError:
             return
         with conn:
-            conn.settimeout(2.0)
             try:
-                request = json.loads(conn.makefile().readline() or "{}")
-                answer = self.handle(request)
-            except (OSError, ValueError) as e:
+                answer = self.handle(read_request(conn))
+            except (OSError, ValueError, RecursionError) as e:
                 answer = {"error": f"bad request: {e}"}
+            if "error" in answer:
+                self.supervisor.log("dropped malformed message", "warning", socket="control",
+                                    error=answer["error"][:300])
             try:
+                conn.settimeout(REQUEST_TIMEOUT_S)
                 conn.sendall((json.dumps(answer) + "\n").encode())
             except OSError:
                 pass  # the client went away
@@ -71,6 +80,28 @@ class ControlServer:
         self.sock.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def read_request(conn: socket.socket) -> dict:
+    """The JSON object on the first line `conn` sends (an empty line or none: {})."""
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    data = b""
+    while b"\n" not in data and len(data) <= MAX_REQUEST_BYTES:
+        try:
+            conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+            chunk = conn.recv(MAX_REQUEST_BYTES)
+        except TimeoutError:
+            raise TimeoutError(f"no whole line within {REQUEST_TIMEOUT_S:g} s") from None
+        if not chunk:
+            break
+        data += chunk
+    line = data.split(b"\n", 1)[0]
+    if len(line) > MAX_REQUEST_BYTES:
+        raise ValueError(f"longer than {MAX_REQUEST_BYTES} bytes")
+    request = json.loads(line or b"{}")
+    if not isinstance(request, dict):
+        raise ValueError(f"expected a JSON object, got {type(request).__name__}")
+    return request
 
 
 def listen_unix(path: str, backlog: int = 16) -> socket.socket:

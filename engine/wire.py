@@ -1,0 +1,26 @@
+"""msgpack decoding as every socket of the tree does it: a malformed message is always a DecodeError.
+
+msgspec raises RecursionError, not DecodeError, on msgpack nested deeper than
+Python's recursion limit, even in a field it would skip: a 1 KB message
+(`{"type": "stop", "x": [[[...]]]}`) would kill a receiver that drops only
+DecodeErrors, and stop an API server's receive task for good. Every decoder
+of protocol.py and worker/messages.py is one of these.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Decoder:
+    """msgspec.msgpack.Decoder(type) whose every rejection is a msgspec.DecodeError."""
+
+    def __init__(self, type):
+        self.type = type
+        self._decoder = msgspec.msgpack.Decoder(type)
+
+    def decode(self, buf):
+        try:
+            return self._decoder.decode(buf)
+        except RecursionError:
+            raise msgspec.DecodeError("malformed msgpack: nested deeper than the recursion limit") from None

@@ -1,0 +1,103 @@
+"""The control socket answers and logs what is no command, and never dies of it nor waits on it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from vsup.supervisor import control
+
+
+class Supervisor:
+    """What the control server asks of the supervisor: a snapshot, and its log."""
+
+    def __init__(self):
+        self.logged = []
+
+    def snapshot(self):
+        return {"supervisor": {"state": "serving"}, "processes": []}
+
+    def log(self, event, level="info", **fields):
+        self.logged.append((event, level, fields))
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = control.ControlServer(str(tmp_path / "control.sock"), Supervisor())
+    yield s
+    s.close()
+
+
+def ask(server, data: bytes, pause: float = 0.0) -> dict | None:
+    """Send `data` (then, after `pause` s, end the request) while the server takes the connection;
+    its answer, or None when it hung up before the client finished."""
+    answer = []
+
+    def client():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.path)
+            try:
+                sock.sendall(data)
+                time.sleep(pause)
+                sock.shutdown(socket.SHUT_WR)
+                answer.append(json.loads(sock.makefile().readline()))
+            except (OSError, ValueError):
+                pass
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        server.accept()
+        time.sleep(0.01)
+    thread.join()
+    return answer[0] if answer else None
+
+
+@pytest.mark.parametrize("data,error", [
+    (b"[1]\n", "expected a JSON object, got list"),
+    (b"[" * 5000 + b"\n", "maximum recursion depth"),
+    (b'{"cmd": "ps"', "bad request"),
+    (b"\xff\xfe\x00\n", "bad request"),
+    (b'{"cmd": ["ps"]}\n', "unknown command ['ps']"),
+    (b"x" * (control.MAX_REQUEST_BYTES + 1) + b"\n", f"longer than {control.MAX_REQUEST_BYTES} bytes"),
+], ids=["list", "deep", "truncated", "not-utf8", "wrong-cmd", "too-long"])
+def test_no_command_is_answered_and_logged(server, data, error):
+    assert error in ask(server, data)["error"]
+    assert [(e, level, f["socket"]) for e, level, f in server.supervisor.logged] == [
+        ("dropped malformed message", "warning", "control")]
+    assert error in server.supervisor.logged[0][2]["error"]
+    assert ask(server, b'{"cmd": "ps"}\n')["supervisor"] == {"state": "serving"}  # and it serves on
+
+
+def test_an_endless_request_is_cut_at_the_size_limit(server):
+    start = time.monotonic()
+    assert ask(server, b"x" * (8 << 20)) is None  # cut off mid-send: the client sees the hang-up
+    assert time.monotonic() - start < 5
+    assert "longer than" in server.supervisor.logged[0][2]["error"]
+
+
+def test_a_trickling_client_holds_the_supervisor_up_for_one_timeout_in_all(server, monkeypatch):
+    monkeypatch.setattr(control, "REQUEST_TIMEOUT_S", 0.5)
+    def trickle():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.path)
+            for _ in range(30):  # a byte every 0.1 s: each recv gets one well within any timeout
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    server.accept()
+    assert time.monotonic() - start < 1.0
+    assert "no whole line within 0.5 s" in server.supervisor.logged[0][2]["error"]
+    thread.join()
