@@ -75,9 +75,7 @@ def test_no_command_is_answered_and_logged(server, data, error):
 
 
 def test_an_endless_request_is_cut_at_the_size_limit(server):
-    start = time.monotonic()
     assert ask(server, b"x" * (8 << 20)) is None  # cut off mid-send: the client sees the hang-up
-    assert time.monotonic() - start < 5
     assert "longer than" in server.supervisor.logged[0][2]["error"]
 
 
@@ -86,7 +84,7 @@ def test_a_trickling_client_holds_the_supervisor_up_for_one_timeout_in_all(serve
     def trickle():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(server.path)
-            for _ in range(30):  # a byte every 0.1 s: each recv gets one well within any timeout
+            for _ in range(300):  # a byte every 0.1 s for 30 s: each recv gets one well within any timeout
                 try:
                     sock.sendall(b" ")
                 except OSError:
@@ -95,9 +93,10 @@ def test_a_trickling_client_holds_the_supervisor_up_for_one_timeout_in_all(serve
 
     thread = threading.Thread(target=trickle)
     thread.start()
-    time.sleep(0.05)
-    start = time.monotonic()
-    server.accept()
-    assert time.monotonic() - start < 1.0
+    deadline = time.monotonic() + 10
+    while not server.supervisor.logged and time.monotonic() < deadline:
+        server.accept()  # (returns at once until the client has connected)
+        time.sleep(0.01)
+    assert thread.is_alive()  # the client still trickles: the supervisor went on without waiting for it
     assert "no whole line within 0.5 s" in server.supervisor.logged[0][2]["error"]
     thread.join()
