@@ -90,11 +90,14 @@ class ParallelGroups:
 
     @classmethod
     def init(cls, tp_size: int, pp_size: int, rank: int, init_method: str,
-             device: str | torch.device = "cpu", timeout_s: float = 120.0) -> ParallelGroups:
+             device: str | torch.device = "cpu", timeout_s: float = 120.0, epoch: str = "") -> ParallelGroups:
         """Join the worker group at `init_method` (`tcp://host:port` or
         `file:///path`, unique per deployment so two never meet): gloo on CPU,
         nccl on CUDA. Blocks until all tp_size * pp_size ranks have joined, or
-        raises after `timeout_s`, which also bounds every later collective."""
+        raises after `timeout_s`, which also bounds every later collective.
+        The ranks meet under `epoch` (their core's group generation): one that
+        reaches the store of a lost generation's rank 0, still alive, waits there
+        for its own generation instead of joining the dead group."""
         world_size = tp_size * pp_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {tp_size} x {pp_size} ranks")
@@ -109,8 +112,11 @@ class ParallelGroups:
             interface = gloo_interface(init_method)
             if interface:
                 os.environ[GLOO_IFNAME] = interface  # gloo reads only this
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=world_size, rank=rank,
+                                store=dist.PrefixStore(f"vsup-epoch-{epoch}", store), timeout=timeout)
         groups.is_initialized = True
         if tp_size > 1:
             # every rank must create every stage's group, in the same order

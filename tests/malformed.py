@@ -61,9 +61,13 @@ def misshapen(cls: type) -> st.SearchStrategy[bytes]:
 def nested_too_deep(raw: bytes, depth: int) -> bytes:
     """The message `raw` (a fixmap or fixarray) with one more field: [[[...]]] `depth` levels deep."""
     head = raw[0]
-    assert 0x80 <= head <= 0x9e and head not in (0x8f, 0x9f), f"not a small map or array: {head:#x}"
-    key = encode("zz") if head < 0x90 else b""
-    return bytes([head + 1]) + raw[1:] + key + b"\x91" * depth + b"\xc0"
+    assert 0x80 <= head <= 0x9f, f"not a small map or array: {head:#x}"
+    is_map, size = head < 0x90, (head & 0x0f) + 1
+    if size <= 15:
+        header = bytes([head + 1])
+    else:  # past a fixmap's or fixarray's 15 entries: map 16 or array 16
+        header = (b"\xde" if is_map else b"\xdc") + size.to_bytes(2, "big")
+    return header + raw[1:] + (encode("zz") if is_map else b"") + b"\x91" * depth + b"\xc0"
 
 
 def truncated(raw: bytes) -> st.SearchStrategy[bytes]:

@@ -341,12 +341,17 @@ class EngineCoreProc:
         self.lost_at = time.monotonic()
 
     def regain_workers(self) -> None:
-        """Wait for the new group; past --worker-timeout the core fails."""
-        left = self.args.worker_timeout - (time.monotonic() - self.lost_at)
-        try:
-            self.group = self.start_group(max(left, 0.0))
-        except WorkerGroupFailed as e:
-            raise CoreFailed(f"the worker group did not come back within {self.args.worker_timeout:g} s ({e})") from e
+        """Wait for the new group, forming it again (a new generation) while one fails to form; past
+        --worker-timeout the core fails."""
+        while self.group is None:
+            left = self.args.worker_timeout - (time.monotonic() - self.lost_at)
+            try:
+                self.group = self.start_group(max(left, 0.0))
+            except WorkerGroupFailed as e:
+                if time.monotonic() - self.lost_at >= self.args.worker_timeout:
+                    raise CoreFailed(f"the worker group did not come back within {self.args.worker_timeout:g} s "
+                                     f"({e})") from e
+                log.warning("the new worker group failed to form; forming another", reason=str(e))
         self.publish(self.core.regain_workers(self.group))
         log.info("worker group back; recomputing", seconds=round(time.monotonic() - self.lost_at, 2),
                  num_blocks=self.group.num_blocks)

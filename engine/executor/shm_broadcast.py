@@ -265,6 +265,11 @@ class ShmBroadcastReader(RingEnd):
             raise RingClosed(f"the writer closed ring {self.name!r}")
         return False
 
+    def abandoned(self) -> bool:
+        """Whether the writer closed the ring or died; another thread may ask (ValueError once closed here)."""
+        words = self._words
+        return bool(words[CLOSED_WORD]) or not is_alive(words[PID_WORD], words[START_WORD])
+
     def _check_writer(self) -> None:
         pid, start = self._words[PID_WORD], self._words[START_WORD]
         if not is_alive(pid, start):

@@ -1,13 +1,16 @@
 """The engine core's end of its workers: a ROUTER socket and a shared-memory ring.
 
 Someone else starts the worker processes (the supervisor, or a test); the
-group binds the address they connect to, waits for every READY, sizes the
-KV cache to the smallest budget, then writes each step once into the ring
-that every rank reads, and takes the sampled tokens from the sampling rank.
+group binds the address they connect to, tells each the epoch it joins
+(engine/worker/messages.py), waits for every READY, sizes the KV cache to
+the smallest budget, then writes each step once into the ring that every
+rank reads, and takes the sampled tokens from the sampling rank. A group
+is one generation: a core that loses it forms a new one, with a new epoch.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 
@@ -20,8 +23,8 @@ from engine import cluster
 from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastWriter
 from engine.executor.tcp_broadcast import TcpBroadcastWriter
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.messages import (CacheReady, InitializeCache, Shutdown, WorkerFailed, WorkerReady,
-                                    encoder, from_worker)
+from engine.worker.messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
+                                    WorkerReady, encoder, from_worker)
 
 log = structlog.get_logger("engine-core")
 CHECK_S = 0.5  # while waiting, look this often whether every worker still lives
@@ -49,6 +52,7 @@ class WorkerGroup:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises, not vanishes
         cluster.bind(self.sock, address)  # tcp:// (a group spanning nodes): CurveZMQ
         self.address, self.remote_address = address, remote_address
+        self.epoch = secrets.token_hex(8)
         self.workers: dict[bytes, WorkerReady] = {}
         self.ring: ShmBroadcastWriter | None = None
         self.remote: TcpBroadcastWriter | None = None
@@ -82,13 +86,36 @@ class WorkerGroup:
             except msgspec.DecodeError as e:
                 log.warning("dropped malformed message", sender=identity.decode(errors="replace"), error=str(e))
                 continue
+            if isinstance(msg, JoinGroup):
+                self._replaced(identity, msg.name, msg.pid)
+                self._send(identity, GroupEpoch(self.epoch))
+                continue
+            if getattr(msg, "epoch", self.epoch) != self.epoch:  # READY, CacheReady, WorkerFailed
+                log.info("dropped a message of an earlier generation of the group",
+                         sender=identity.decode(errors="replace"), message=type(msg).__name__)
+                if isinstance(msg, WorkerReady):
+                    self._send(identity, Shutdown())  # it waits for a cache that will never come
+                continue
             if isinstance(msg, WorkerFailed):
+                if not msg.joined and identity not in self.workers:
+                    log.warning("worker failed before it joined its group; waiting for its restart",
+                                worker=msg.name, error=msg.error)
+                    continue
                 raise WorkerGroupFailed(f"{msg.name}: {msg.error}")
-            known = self.workers.get(identity)
-            if isinstance(msg, WorkerReady) and known is not None and msg.pid != known.pid:
-                raise WorkerGroupFailed(f"{msg.name} was replaced (pid {known.pid}, now {msg.pid}); "
-                                        f"its node restarted it")
+            if isinstance(msg, WorkerReady):
+                self._replaced(identity, msg.name, msg.pid)
             return identity, msg
+
+    def _replaced(self, identity: bytes, name: str, pid: int) -> None:
+        known = self.workers.get(identity)
+        if known is not None and pid != known.pid:
+            raise WorkerGroupFailed(f"{name} was replaced (pid {known.pid}, now {pid}); its node restarted it")
+
+    def _send(self, identity: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([identity, encoder.encode(msg)])
+        except zmq.ZMQError:  # gone meanwhile (ROUTER_MANDATORY): nobody to answer
+            pass
 
     def _check_alive(self) -> None:
         """A worker that died without a word (kill -9) is found by its pid, not by waiting forever.

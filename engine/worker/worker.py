@@ -71,14 +71,15 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.load_seconds = 0.0
 
-    def init_device(self) -> None:
+    def init_device(self, epoch: str = "") -> None:
+        """Join the worker group (TP x PP > 1) under `epoch`, the generation its core forms."""
         cfg = self.config
         if cfg.device == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if cfg.world_size > 1 and not cfg.dist_init_method:
             raise ValueError("a worker group of more than one rank needs a dist_init_method")
         self.groups = ParallelGroups.init(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.rank,
-                                          cfg.dist_init_method or "", device=cfg.device)
+                                          cfg.dist_init_method or "", device=cfg.device, epoch=epoch)
 
     def load_model(self) -> None:
         start = time.monotonic()

@@ -4,14 +4,16 @@
         --tensor-parallel-size 2 --core-address ipc://RUN_DIR/dp0-workers.sock \
         --dist-init-method file://RUN_DIR/dp0-dist ...
 
-It sets its title, logs JSON lines with its role and ranks, loads its
-shard, reports READY with its memory figures to its engine core, then
-serves the core's messages until told to shut down.
+It sets its title, logs JSON lines with its role and ranks, asks its engine
+core which group generation to join, meets its peers under it, loads its
+shard, reports READY with its memory figures, then serves the core's
+messages until told to shut down.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -27,10 +29,13 @@ from engine.executor.tcp_broadcast import TcpBroadcastReader
 from engine.log import configure
 from engine.process import become
 from engine.wire import Decoder
-from engine.worker.messages import CacheReady, Shutdown, WorkerFailed, WorkerReady, encoder, from_ring, to_worker
+from engine.worker.messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
+                                    WorkerReady, encoder, from_ring, to_worker)
+from engine.worker.step_watch import StepWatch
 from engine.worker.worker import Worker, WorkerConfig
 
 READY_AGAIN_S = 2.0
+JOIN_AGAIN_S = 0.5  # cheap, and the whole group waits for the last rank to join
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,19 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(config)
     torch.manual_seed(args.seed)
     signal.signal(signal.SIGTERM, _exit)  # stop cleanly: leave the ring, the socket and the process group
+    epoch = ""
     try:
         log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None,
                  cores=sorted(os.sched_getaffinity(0)) if args.device == "cpu" else None)
-        worker.init_device()
+        epoch = join(sock, JoinGroup(name=name, pid=os.getpid()), log)
+        if epoch is None:
+            return 1
+        log.info("joining the group", epoch=epoch)
+        worker.init_device(epoch)
         worker.load_model()
-        ready = msgspec.structs.replace(worker.ready_report(), node_rank=args.node_rank)
+        ready = msgspec.structs.replace(worker.ready_report(), node_rank=args.node_rank, epoch=epoch)
         sock.send(encoder.encode(ready))
         log.info("ready", num_blocks=ready.num_blocks, weight_bytes=ready.weight_bytes,
                  kv_bytes_per_block=ready.kv_bytes_per_block, rss_bytes=ready.rss_bytes)
         return 0 if serve(worker, sock, log, ready, args.node_rank) else 1  # its core vanished: a failure
     except Exception as e:
         log.exception("worker failed")
-        sock.send(encoder.encode(WorkerFailed(name=name, error=f"{type(e).__name__}: {e}")))
+        sock.send(encoder.encode(WorkerFailed(name=name, error=f"{type(e).__name__}: {e}", pid=os.getpid(),
+                                              epoch=epoch or "", joined=worker.groups is not None)))
         return 1
     finally:
         worker.shutdown()
@@ -102,13 +113,32 @@ def _exit(signum, frame):
     raise SystemExit(0)
 
 
+def join(sock: zmq.Socket, hello: JoinGroup, log) -> str | None:
+    """The epoch of the group generation the core forms, or None when it says to exit. JoinGroup
+    goes again every JOIN_AGAIN_S until the core answers: it may not be listening yet."""
+    while True:
+        sock.send(encoder.encode(hello))
+        if not sock.poll(JOIN_AGAIN_S * 1000):
+            continue
+        msg = _decode(to_worker, sock.recv(), log)
+        if isinstance(msg, GroupEpoch):
+            return msg.epoch
+        if isinstance(msg, Shutdown):
+            log.warning("the engine core says to exit before joining")
+            return None
+
+
 def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: int = 0) -> bool:
     """Allocate the cache when the core says how big, then run the steps it writes into
     the ring until Shutdown (True) or until the core is gone (False). A malformed message
-    is logged and dropped. READY goes again every few seconds until the core answers: a
-    core that (re)started meanwhile may have missed it."""
+    is logged and dropped, and so is a late answer to a JoinGroup sent again. READY goes
+    again every few seconds until the core answers: a core that (re)started meanwhile may
+    have missed it; one that forms another generation answers Shutdown (False)."""
     msg = None
-    while msg is None:
+    while not isinstance(msg, InitializeCache):
+        if isinstance(msg, Shutdown):
+            log.warning("the engine core forms a new group without this worker; exiting", epoch=ready.epoch)
+            return False
         if not sock.poll(READY_AGAIN_S * 1000):
             sock.send(encoder.encode(ready))
             continue
@@ -118,7 +148,10 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         ring = TcpBroadcastReader(msg.remote_address, sock.context)
     else:
         ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
-    sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes)))
+    sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes,
+                                        epoch=ready.epoch)))
+    # a remote worker's ring has no such word: its stuck step waits for the collective's timeout
+    watch = StepWatch(ring.abandoned, log) if isinstance(ring, ShmBroadcastReader) else contextlib.nullcontext()
     try:
         while True:
             try:
@@ -132,10 +165,13 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
             if isinstance(step, Shutdown):
                 log.info("shutting down")
                 return True
-            result = worker.execute(step)
+            with watch:
+                result = worker.execute(step)
             if result is not None:
                 sock.send(encoder.encode(result))
     finally:
+        if isinstance(watch, StepWatch):
+            watch.close()
         ring.close()
 
 

@@ -8,6 +8,17 @@ from engine.api_server.local_deployment import with_test_tokenizer
 from tests.e2e.served import Served
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed e2e test shows the last lines of every deployment it could see: on a CI machine
+    that is all there is to read afterwards."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for served in list(Served.instances):
+            report.sections.append((f"vsup logs --name {served.name} -n 60", served.last_log_lines()))
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model, tmp_path_factory):
     return str(with_test_tokenizer(tiny_model("llama_tied"), tmp_path_factory.mktemp("tiny-with-tokenizer")))

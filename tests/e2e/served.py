@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import httpx
 import openai
@@ -19,6 +20,7 @@ from engine.api_server.local_deployment import free_port
 from tests.polling import wait_for
 
 VSUP = [sys.executable, "-m", "vsup"]
+LOG_FIELDS = {"ts", "name", "event", "role", "a", "dp", "pp", "tp", "pid", "stream", "logger", "level"}
 
 
 class Served:
@@ -26,6 +28,8 @@ class Served:
 
     Its stdout is read only at the end, on purpose: a console nobody reads
     (a full pipe) must not stall the supervisor, and the chaos test fills it."""
+
+    instances: weakref.WeakSet[Served] = weakref.WeakSet()  # a failed test shows their logs (conftest.py)
 
     def __init__(self, home, model, *flags, name="e2e", kv_cache_memory="4MiB", env=None, host="127.0.0.1",
                  prefix=()):
@@ -41,6 +45,7 @@ class Served:
                                       *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
+        Served.instances.add(self)
 
     def vsup(self, *args):
         return subprocess.run([*VSUP, *args, "--name", self.name], capture_output=True, text=True, timeout=60,
@@ -61,6 +66,20 @@ class Served:
                 return state
             time.sleep(0.2)
         raise TimeoutError(f"not serving: {self.ps()}")
+
+    def last_log_lines(self, n=60) -> str:
+        """The last `n` lines of `vsup logs`, each with its time (to read a failure's timeline)."""
+        result = self.vsup("logs", "-n", str(n), "--json")
+        lines = []
+        for line in result.stdout.splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                lines.append(line)
+                continue
+            extra = " ".join(f"{k}={v}" for k, v in d.items() if k not in LOG_FIELDS and v is not None)
+            lines.append(f"{d.get('ts', '')[11:23]} {d.get('name', ''):20} | {d.get('event', '')} {extra}")
+        return "\n".join(lines) + result.stderr
 
     def pids(self):
         return {p["name"]: p["pid"] for p in self.ps()["processes"]}

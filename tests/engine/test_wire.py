@@ -22,9 +22,11 @@ DECODERS = {
     "to_coordinator": (protocol.to_coordinator,
                        [protocol.CoreLoad(0, 1, 2, 3), protocol.WaveReport(0, "e", 1, 2, True)]),
     "from_waves": (protocol.from_waves, [protocol.WaveGo("e", 1, 2, [0, 1]), protocol.WaveEnd("e", 1)]),
-    "to_worker": (messages.to_worker, [messages.InitializeCache(8, "ring", "ipc://w")]),
+    "to_worker": (messages.to_worker, [messages.GroupEpoch("e"), messages.InitializeCache(8, "ring", "ipc://w"),
+                                       messages.Shutdown()]),
     "from_ring": (messages.from_ring, [SchedulerOutput(step_id=1), messages.Shutdown()]),
-    "from_worker": (messages.from_worker, [ModelRunnerOutput(step_id=1), messages.CacheReady("w", 8, 64)]),
+    "from_worker": (messages.from_worker, [messages.JoinGroup("w", 1), ModelRunnerOutput(step_id=1),
+                                           messages.CacheReady("w", 8, 64)]),
 }
 
 

@@ -186,7 +186,8 @@ def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
     peer = ctx.socket(zmq.DEALER)
     peer.connect(f"ipc://{tmp_path}/w.sock")
     ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
-                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0)
+                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
+                        epoch=group.epoch)
     try:
         peer.send_multipart([b"\xc1", b"two frames"])
         peer.send(nested_too_deep(encoder.encode(ready), 5000))
