@@ -37,9 +37,10 @@ def version() -> str:
 
 def build_app(serving: Serving, *, metrics=None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_server_rank: int = 0,
-              state_file: str | None = None) -> FastAPI:
+              state_file: str | None = None, before_serving=None) -> FastAPI:
     """The app around `serving`; its lifespan starts and closes the engine client. `state_file`: the
-    supervisor's state.json, for the ranks it gave up on."""
+    supervisor's state.json, for the ranks it gave up on; `before_serving(client)`: awaited once the
+    client has started, before the server takes connections."""
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -48,6 +49,8 @@ def build_app(serving: Serving, *, metrics=None, api_key: str | None = None,
             serving.client.on_restart = metrics.record_restart
         await serving.client.start()
         try:
+            if before_serving is not None:
+                await before_serving(serving.client)
             yield
         finally:
             await serving.client.close()

@@ -13,6 +13,7 @@ pass through untouched.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import socket
@@ -20,6 +21,9 @@ import socket
 import structlog
 
 from engine.args import add_parallel_sizes, role_parser
+
+BACKLOG = 2048
+JOIN_POLL_S = 0.05  # a sibling API server looks this often whether an engine core is ready
 
 ENV_API_KEY = "VSUP_API_KEY"
 ENV_MULTIPROCESSING = "VSUP_ENABLE_MULTIPROCESSING"
@@ -75,20 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A bound TCP socket (IPv6 if `host` is one); SO_REUSEPORT lets sibling API servers share the port."""
+def listen_socket(host: str, port: int, reuse_port: bool, listen: bool = True) -> socket.socket:
+    """A bound TCP socket (IPv6 if `host` is one), listening unless told not to yet; SO_REUSEPORT lets
+    sibling API servers share the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock
 
 
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace, before_serving=None):
     """The app for these args: tokenizer, engine client (ZeroMQ or in-process), metrics."""
     from engine.api_server.app import build_app
     from engine.api_server.metrics import Metrics
@@ -122,7 +128,8 @@ def build(args: argparse.Namespace):
                       max_model_len=args.max_model_len or model_config.max_model_len,
                       vocab_size=model_config.vocab_size, metrics=metrics)
     return build_app(serving, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                     api_server_rank=args.api_server_rank, state_file=args.state_file)
+                     api_server_rank=args.api_server_rank, state_file=args.state_file,
+                     before_serving=before_serving)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,18 +145,36 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_dir())
     import uvicorn
 
-    app = build(args)
+    # A sibling of other API servers on one port (SO_REUSEPORT) listens only once an engine core can take
+    # its requests: the kernel hands connections to every listening sibling, and a restarted one would
+    # answer its share 503 until its cores said Ready. Alone, it listens at once and answers /health
+    # "starting" meanwhile.
+    join_later = args.multiprocessing and args.listen_fd is None and args.api_server_count > 1
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)
     else:
-        sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
+        sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1, listen=not join_later)
+
+    def say_ready() -> None:
+        # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused;
+        # in-process, the engine thread says it once the core inside can take requests
+        log.info("ready" if args.multiprocessing else "listening", host=args.host, port=sock.getsockname()[1],
+                 multiprocessing=args.multiprocessing, api_key=bool(args.api_key))
+
+    async def join_the_port(client) -> None:
+        while not client.is_ready():
+            if server.should_exit:  # stopped before any core came: uvicorn shuts down after startup
+                return
+            await asyncio.sleep(JOIN_POLL_S)
+        sock.listen(BACKLOG)
+        say_ready()
+
+    app = build(args, before_serving=join_the_port if join_later else None)
     config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = uvicorn.Server(config)
-    # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused;
-    # in-process, the engine thread says it once the core inside can take requests
-    log.info("ready" if args.multiprocessing else "listening", host=args.host, port=sock.getsockname()[1],
-             multiprocessing=args.multiprocessing, api_key=bool(args.api_key))
+    if not join_later:
+        say_ready()
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then raises the signal again with the
     # handlers it found: found a no-op, a requested stop ends with exit code 0, as the other roles do
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

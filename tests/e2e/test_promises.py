@@ -180,6 +180,40 @@ def test_an_api_servers_death_restarts_it_alone_and_drops_only_its_own_connectio
     assert s.stop()[0] == 0
 
 
+def listeners(port: int) -> int:
+    """How many sockets listen on the port (API servers sharing it with SO_REUSEPORT: one each)."""
+    out = subprocess.run(["ss", "-Hltn", f"( sport = :{port} )"], capture_output=True, text=True, check=True)
+    return len(out.stdout.splitlines())
+
+
+def test_a_restarted_api_server_takes_connections_only_once_an_engine_core_is_ready(serve):
+    """The kernel spreads connections over every socket listening on a shared port: a restarted API server
+    that listened before its engine core said Ready would answer its share 503. Frozen, the core cannot
+    tell the new a1 it is there, so a1 must stay off the port; thawed, a1 joins and every request is served."""
+    s = serve("--api-server-count", "2")
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(8)]
+    reference = complete_all(s.client, prompts)
+    assert listeners(s.port) == 2
+    core, old = s.pids()["engine-core dp0"], s.pids()["api-server a1"]
+
+    def new_a1_waits_for_its_core():
+        pid = s.pids().get("api-server a1")
+        records = [json.loads(line) for line in s.vsup("logs", "--json", "--role", "api-server").stdout.splitlines()]
+        return pid != old and any(r["pid"] == pid and r["event"] == "waiting for engine cores" for r in records)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        os.kill(old, signal.SIGKILL)
+        wait_for(new_a1_waits_for_its_core, 60, "the new api-server a1 waiting for its engine core")
+        assert listeners(s.port) == 1  # a0's only
+        assert {p["name"]: p["state"] for p in s.ps()["processes"]}["api-server a1"] != "ready"
+    finally:
+        os.kill(core, signal.SIGCONT)
+    wait_for(lambda: listeners(s.port) == 2, 30, "a1 listening once its core is back")
+    assert complete_all(s.client, prompts) == reference
+    assert s.stop()[0] == 0
+
+
 def test_a_rank_past_max_restarts_is_marked_failed_and_routed_around(serve):
     s = serve("-dp", "2", "--max-restarts", "0")
     s.wait_serving()
