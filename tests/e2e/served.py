@@ -117,9 +117,8 @@ class Served:
             self.proc.communicate()
 
 
-def complete(client, prompt, n=24, stream=True, seen=None):
-    """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment. `seen` gets a
-    1 for each chunk of text streamed (how far it is, for a test that injects a fault mid-stream)."""
+def complete(client, prompt, n=24, stream=True):
+    """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment."""
     kwargs = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
     if not stream:
         return client.completions.create(**kwargs).choices[0].text
@@ -127,38 +126,31 @@ def complete(client, prompt, n=24, stream=True, seen=None):
     for chunk in client.completions.create(stream=True, **kwargs):
         if chunk.choices and chunk.choices[0].text:
             text += chunk.choices[0].text
-            if seen is not None:
-                seen.append(1)
     return text
 
 
 def complete_all(client, prompts, n=24, during=None):
-    """Every prompt at once (a thread each); `during(seen)` runs while they do (say, a kill -9), with the
-    chunks each stream has seen so far."""
-    out = [None] * len(prompts)
-    seen = [[] for _ in prompts]
-    def run(i):
-        out[i] = complete(client, prompts[i], n=n, seen=seen[i])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
+    """Every prompt at once, as Streams; `during(streams)` runs while they do (say, a kill -9). Each
+    prompt's whole text; AssertionError naming any stream that failed."""
+    streams = Streams(client, prompts, n=n)
     if during:
-        during(seen)
-    for t in threads:
-        t.join(timeout=300)
-    return out
+        during(streams)
+    return streams.texts(timeout=300)
 
 
-def mid_stream(seen, n, what, after=None):
-    """Wait until every stream has text (and, given `after`, the counts of an earlier moment, until they
-    all went on since), with some still short of their `n` chunks: then a fault hits work in flight."""
+def mid_stream(streams, what, after=None):
+    """Wait until every stream has text and, given `after` (what an earlier call returned), until half of
+    the streams that ran then have streamed more since (or ended): the deployment got on after the earlier
+    fault. Then AssertionError unless some stream is still running, so that the fault hits work in flight.
+    Returns the running streams' chunk counts of this moment, by stream."""
     def ready():
-        counts = [len(s) for s in seen]
-        moved = after is None or sum(counts) >= sum(after) + len(seen)
-        return all(counts) and moved and counts
-    counts = wait_for(ready, timeout=120, what=f"streams under way before {what}")
-    assert any(c < n for c in counts), f"every stream had finished before {what}: {counts}"
-    return counts
+        counts = [len(c) for c in streams.chunks]
+        on = after is None or 2 * sum(streams.finished[i] or counts[i] > a for i, a in after.items()) >= len(after)
+        return all(counts) and on
+    wait_for(ready, timeout=120, what=f"streams under way before {what}")
+    running = {i: len(streams.chunks[i]) for i in streams.running()}
+    assert running, f"every stream had finished before {what}"
+    return running
 
 
 class Streams:
@@ -168,7 +160,7 @@ class Streams:
     def __init__(self, client, prompts, n=24):
         self.chunks: list[list[str]] = [[] for _ in prompts]
         self.finished = [False] * len(prompts)
-        self.errors: list[str] = []
+        self.errors: dict[int, str] = {}
         self.threads = [threading.Thread(target=self._run, args=(client, i, prompt, n), daemon=True)
                         for i, prompt in enumerate(prompts)]
         for t in self.threads:
@@ -181,7 +173,7 @@ class Streams:
                 if chunk.choices and chunk.choices[0].text:
                     self.chunks[i].append(chunk.choices[0].text)
         except Exception as e:  # the test reports it
-            self.errors.append(f"stream {i}: {type(e).__name__}: {e}")
+            self.errors[i] = f"{type(e).__name__}: {e}"
         finally:
             self.finished[i] = True
 
@@ -193,11 +185,15 @@ class Streams:
         """The streams that have streamed text and not finished: work in flight."""
         return [i for i, chunks in enumerate(self.chunks) if chunks and not self.finished[i]]
 
-    def texts(self, timeout=120) -> list[str]:
-        """Each stream's whole text, once all ended; AssertionError naming any that failed."""
+    def join(self, timeout=120) -> None:
+        """Wait until every stream has ended; AssertionError naming those still running after `timeout`."""
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         assert all(self.finished), f"streams still running after {timeout} s: {self.running()}"
+
+    def texts(self, timeout=120) -> list[str]:
+        """Each stream's whole text, once all ended; AssertionError naming any that failed."""
+        self.join(timeout)
         assert not self.errors, self.errors
         return ["".join(chunks) for chunks in self.chunks]

@@ -90,8 +90,8 @@ def test_a_headless_node_serves_leaves_and_rejoins(nodes):
     # kill -9 the headless supervisor mid-generation: its tree dies with it; nothing is lost
     node_pids = list(node.pids().values())
 
-    def lose_node(seen):
-        mid_stream(seen, 24, "the kill of the node")
+    def lose_node(streams):
+        mid_stream(streams, "the kill of the node")
         node.proc.kill()
 
     assert complete_all(head.client, prompts, during=lose_node) == reference
@@ -167,8 +167,8 @@ def test_a_tp_group_spans_two_nodes_and_heals_when_a_remote_worker_dies(serve, m
     reference = complete_all(head.client, prompts)
     assert all(reference)
 
-    def kill_remote_worker(seen):
-        mid_stream(seen, 24, "the kill of the remote worker")
+    def kill_remote_worker(streams):
+        mid_stream(streams, "the kill of the remote worker")
         os.kill(node.pids()["worker dp0 pp0 tp1"], 9)
 
     assert complete_all(head.client, prompts, during=kill_remote_worker) == reference

@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import threading
 
 import httpx
 import psutil
 import pytest
 
 from tests.conftest import held_shm
-from tests.e2e.served import VSUP, complete, complete_all, mid_stream
+from tests.e2e.served import VSUP, Streams, complete, complete_all, mid_stream
 from tests.polling import wait_for
 
 @pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
@@ -35,15 +34,15 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
     s = serve("-dp", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(64)]
-    reference = complete_all(s.client, prompts, n=48)
+    reference = complete_all(s.client, prompts, n=96)
 
-    def faults(seen):
+    def faults(streams):
         counts = None
         for name in ("worker dp0 pp0 tp0", "engine-core dp1", "coordinator"):
-            counts = mid_stream(seen, 48, f"the kill of {name}", after=counts)
+            counts = mid_stream(streams, f"the kill of {name}", after=counts)
             os.kill(s.pids()[name], signal.SIGKILL)
 
-    assert complete_all(s.client, prompts, n=48, during=faults) == reference
+    assert complete_all(s.client, prompts, n=96, during=faults) == reference
     state = s.wait_serving()
     restarts = {p["name"]: p["restarts"] for p in state["processes"]}
     assert restarts["worker dp0 pp0 tp0"] == 1 and restarts["engine-core dp1"] == 1
@@ -59,21 +58,14 @@ def test_sigterm_lets_running_requests_finish(serve):
     s = serve()
     s.wait_serving()
     pids = list(s.pids().values())
-    result = {}
-
-    seen = []
-
-    def long_request():
-        result["text"] = complete(s.client, "long story", n=200, seen=seen)
     reference = complete(s.client, "long story", n=200)
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    mid_stream([seen], 200, "SIGTERM")
+    stream = Streams(s.client, ["long story"], n=200)
+    mid_stream(stream, "SIGTERM")
     s.proc.send_signal(signal.SIGTERM)
-    thread.join(timeout=120)
+    texts = stream.texts()
     code, out, err = s.stop()
     assert code == 0, err
-    assert result["text"] == reference  # it ran to its end instead of being cut
+    assert texts == [reference]  # it ran to its end instead of being cut
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
     assert not [n for n in set(os.listdir("/dev/shm")) - held_shm() if n.startswith("vsup-e2e-")]
 
