@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -178,3 +179,32 @@ def test_unknown_deployment_exits_1(home):
     for command in ("ps", "logs", "stop"):
         result = vsup(command, "--name", "ghost")
         assert result.returncode == 1 and "no deployment named 'ghost'" in result.stderr
+
+
+def test_a_worker_and_its_core_dead_in_one_select_are_each_handled_once(home):
+    """A worker's exit is handled after its core's (the core's death is the cause): with both pidfds ready
+    in one select, the worker first, the core's turn came again with its pidfd gone, and the stop ended
+    in a traceback and exit 1. Real processes that have exited; the supervisor's own loop."""
+    from tests.vsup.fake.tree import fake_plan
+    from vsup.rundir import RunDir
+    from vsup.supervisor.log_router import LogRouter
+    from vsup.supervisor.manager import Options, Supervisor
+    from vsup.supervisor.restart_policy import RestartPolicy
+
+    run_dir = RunDir("both")
+    run_dir.create()
+    records = []
+    sup = Supervisor(fake_plan(1, 1), run_dir, Options("/models/fake", "http://127.0.0.1:1", RestartPolicy("never")),
+                     LogRouter([records.append]))
+    pair = [next(c for c in sup.children if c.spec.name == name) for name in ("worker dp0 pp0 tp0", "engine-core dp0")]
+    for child in pair:  # the worker exits first: epoll hands its pidfd over first
+        child.popen = subprocess.Popen([sys.executable, "-c", ""])
+        child.pidfd = os.pidfd_open(child.pid)
+        sup.selector.register(child.pidfd, selectors.EVENT_READ, child)
+        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, what=f"{child.spec.name} exited")
+    sup.state = "stopping"
+    sup.tick(timeout=1)
+    stopped = [r["process"] for r in records if r["event"] == "process stopped"]
+    assert sorted(stopped) == ["engine-core dp0", "worker dp0 pp0 tp0"]
+    assert all(c.state == "stopped" and c.last_exit == "exit 0" for c in pair)
+    sup.cleanup()

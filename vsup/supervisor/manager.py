@@ -165,6 +165,8 @@ class Supervisor:
     # deaths and restarts
 
     def on_exit(self, child: Child) -> None:
+        if child.pidfd is None:
+            return  # seen already: a worker's exit handles its core's first, and both may be in one select
         if child.spec.role == WORKER:  # a worker follows its vanished core out: the core's exit is the cause
             core = next((c for c in self.children if c.spec.role == ENGINE_CORE and c.spec.dp == child.spec.dp), None)
             if core is not None and core.pidfd is not None and core.popen.poll() is not None:
