@@ -26,6 +26,7 @@ from tests.polling import wait_for
 
 LONG = 200  # tokens a stream that a fault must hit: the tiny model makes 48 in half a second
 
+
 @pytest.fixture(scope="module")
 def live(model, tmp_path_factory):
     """One deployment that the tests which only look at it share."""
