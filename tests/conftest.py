@@ -139,7 +139,7 @@ def _alive(p: psutil.Process) -> bool:
 
 def _cmdline(p: psutil.Process) -> str:
     try:
-        return " ".join(p.cmdline())[:200]
+        return " ".join(p.cmdline()).rstrip()[:200]  # (a process title is padded with spaces)
     except psutil.Error:
         return "?"
 

@@ -93,16 +93,16 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
     assert len(warnings) < len(core)
 
 
-def test_kill_9_of_engine_core_and_api_server_loses_no_request(deployment):
-    """16 greedy streams, chat and completions, through two deaths of the tree behind the front: each
-    stream pauses and goes on with exactly the text of a fault-free run. Killed vLLM alone fails them all,
-    and its API server's death leaves its EngineCore, Worker and resource_tracker running (#55510). (A
-    worker's death reaches the front as an engine core's does, as an engine error: test_vllm_replicas.py
-    kills one; each kill here is a whole new tree, 40-60 s on two cores.)"""
+def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment):
+    """16 greedy streams, chat and completions, through three deaths of the tree behind the front (kill -9
+    of its Worker, then of its EngineCore, then of its API server): each stream pauses and goes on with
+    exactly the text of a fault-free run, and `ps` counts each restart under the role that died. Killed
+    vLLM alone fails them all, and its API server's death leaves its EngineCore, Worker and
+    resource_tracker running (#55510). (Each kill here is a whole new tree, 30-60 s on two cores.)"""
     n = 96
     reference = fault_free(deployment.client, 16, n)
     threads, outcomes, seen = in_flight(deployment.client, 16, n)
-    victims = ("engine-core dp0", "api-server a0")
+    victims = ("worker dp0 pp0 tp0", "engine-core dp0", "api-server a0")
     for victim in victims:
         before = tree_pids(deployment.wait_serving(timeout=300))
         before.pop("front")
@@ -120,11 +120,11 @@ def test_kill_9_of_engine_core_and_api_server_loses_no_request(deployment):
     assert outcomes == reference
     state = deployment.wait_serving(timeout=300)
     rows = {p["name"]: p for p in state["processes"]}
-    assert state["units"]["vllm"]["by_role"] == {"engine-core": 1, "api-server": 1}
-    assert [rows[v]["restarts"] for v in victims] == [1, 1] and rows["front"]["restarts"] == 0
+    assert state["units"]["vllm"]["by_role"] == {"worker": 1, "engine-core": 1, "api-server": 1}
+    assert [rows[v]["restarts"] for v in victims] == [1, 1, 1] and rows["front"]["restarts"] == 0
     metrics = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
     assert 'vsup_restarts_total{role="engine-core"} 1\n' in metrics and "vllm:num_requests_running" in metrics
-    assert "vsup_front_resumed_total 32" in metrics  # 16 streams, twice
+    assert "vsup_front_resumed_total 48" in metrics  # 16 streams, three times
 
 
 def poison(client, i, n, seen):
