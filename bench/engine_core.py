@@ -49,13 +49,13 @@ from common import (REPO_ROOT, Children, add_mode_args, median_ms, mode, percent
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import InprocExecutor
-from engine.executor.shm_broadcast import ShmBroadcastReader, ShmBroadcastWriter
+from engine.ring.shm_broadcast import ShmBroadcastReader, ShmBroadcastWriter
 from engine.model.config import ModelConfig, eos_token_ids
 from engine.model.default_model import default_model_dir
-from engine.protocol import AddRequest, Failed, Outputs, Ready, encoder, from_core
-from engine.sampling.params import SamplingParams
-from engine.scheduler_output import CachedRequest, SchedulerOutput
-from engine.worker.messages import encoder as ring_encoder
+from engine.wire.protocol import AddRequest, Failed, Outputs, Ready, encoder, from_core
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import CachedRequest, SchedulerOutput
+from engine.wire.worker_messages import encoder as ring_encoder
 from engine.worker.worker import WorkerConfig
 from ring_buffer import ring_echo
 

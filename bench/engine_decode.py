@@ -38,8 +38,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from common import add_mode_args, median_ms, mode, print_table, ratio, setup, timed, write_results
 from engine.model.default_model import default_model_dir
-from engine.sampling.params import SamplingParams
-from engine.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 from engine.worker.worker import Worker, WorkerConfig
 
 BLOCK_SIZE = 16

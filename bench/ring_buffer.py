@@ -21,7 +21,7 @@ import time
 import zmq
 
 from common import add_mode_args, conditions, mode, write_results
-from engine.executor.shm_broadcast import RingClosed, ShmBroadcastReader, ShmBroadcastWriter
+from engine.ring.shm_broadcast import RingClosed, ShmBroadcastReader, ShmBroadcastWriter
 
 
 def ring_echo(name: str, there: str, back_prefix: str, back: str, conn) -> None:

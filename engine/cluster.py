@@ -239,6 +239,14 @@ def fingerprint(model: str, *, tensor_parallel_size: int, pipeline_parallel_size
             "dp_lockstep": str(dp_lockstep).lower(), "version": vsup_version}
 
 
+def fingerprint_of(args, api_server_count: int) -> dict[str, str]:
+    """fingerprint() of a role's parsed argv: the API server's and the engine core's spell these flags alike."""
+    return fingerprint(
+        args.model, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size, api_server_count=api_server_count, dtype=args.dtype,
+        max_model_len=args.max_model_len, block_size=args.block_size, dp_lockstep=args.dp_lockstep)
+
+
 def fingerprint_hash(fp: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(_compared(fp), sort_keys=True).encode()).hexdigest()[:16]
 

@@ -16,7 +16,7 @@ ENGINE_CORE = "engine-core"
 WORKER = "worker"
 COORDINATOR = "coordinator"
 ROLES = (API_SERVER, ENGINE_CORE, WORKER, COORDINATOR)
-FRONT = "front"  # vsup's own HTTP front before a stock vLLM (DESIGN.md section 8)
+FRONT = "front"  # vsup's own HTTP front before a stock vLLM
 COUNTED = (FRONT, *ROLES)  # the roles of the count; others (vLLM's helpers) are counted apart
 
 # the module each role runs: the argv contract between vsup and engine

@@ -11,6 +11,7 @@ its one worker itself. The parts:
 - tokenizer.py, detokenizer.py, generation.py, logprobs.py: text in, text out
 - client_base.py, engine_client.py, dp_ranks.py, request_stream.py: the ZeroMQ
   client to the engine cores; inproc_client.py: the same API on an in-process core
+  (its one reach into engine.core, docs/ARCHITECTURE.md)
 - metrics.py: Prometheus metrics
 - local_deployment.py: a serving tree without vsup, for tests and benchmarks
 """

@@ -22,8 +22,7 @@ import msgspec
 
 from engine.api_server.dp_ranks import DpRanks
 from engine.api_server.request_stream import RequestStream
-from engine.core.request import RequestUpdate
-from engine.core.scheduler import SchedulerStats
+from engine.wire.protocol import RequestUpdate, SchedulerStats
 
 
 class ClientBase:

@@ -17,7 +17,6 @@ import itertools
 import uuid
 from collections.abc import Sequence
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -26,10 +25,9 @@ from engine import cluster
 from engine.api_server.client_base import ClientBase
 from engine.api_server.dp_ranks import EngineUnavailable
 from engine.api_server.request_stream import RequestStream
-from engine.core.request import FinishReason
-from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, Refused, UtilityCall,
-                             UtilityResult, coordinator_out, encoder, from_core)
-from engine.sampling.params import SamplingParams
+from engine.wire.protocol import (AbortRequests, AddRequest, Failed, FinishReason, Hello, Outputs, Ready, Refused,
+                                  UtilityCall, UtilityResult, coordinator_out, encoder, from_core)
+from engine.wire.sampling_params import SamplingParams
 
 log = structlog.get_logger("api-server")
 
@@ -169,10 +167,8 @@ class EngineClient(ClientBase):
             if len(frames) != 2:
                 log.warning("dropped malformed message", num_frames=len(frames))
                 continue
-            try:
-                msg = from_core.decode(frames[1])
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", sender=frames[0].decode(errors="replace"), error=str(e))
+            msg = from_core.decode_or_drop(frames[1], log, sender=frames[0].decode(errors="replace"))
+            if msg is None:
                 continue
             try:
                 self._dispatch(msg)
@@ -188,10 +184,8 @@ class EngineClient(ClientBase):
         try:
             while True:
                 raw = await sock.recv()
-                try:
-                    stats = coordinator_out.decode(raw)
-                except msgspec.DecodeError as e:
-                    log.warning("dropped malformed message", sender="coordinator", error=str(e))
+                stats = coordinator_out.decode_or_drop(raw, log, sender="coordinator")
+                if stats is None:
                     continue
                 for dp_rank, (num_waiting, num_running) in stats.ranks.items():
                     if dp_rank in self.ranks.ranks:

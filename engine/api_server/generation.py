@@ -19,8 +19,8 @@ import structlog
 from engine.api_server.detokenizer import IncrementalDetokenizer, StopChecker
 from engine.api_server.request_stream import RequestStream
 from engine.api_server.tokenizer import Tokenizer
-from engine.core.request import FinishReason, RequestUpdate
-from engine.scheduler_output import TokenLogprobs
+from engine.wire.protocol import FinishReason, RequestUpdate
+from engine.wire.scheduler_output import TokenLogprobs
 
 log = structlog.get_logger("api-server")
 

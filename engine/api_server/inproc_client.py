@@ -23,9 +23,8 @@ import structlog
 
 from engine.api_server.client_base import ClientBase
 from engine.api_server.request_stream import RequestStream
-from engine.core.request import FinishReason
-from engine.protocol import AddRequest
-from engine.sampling.params import SamplingParams
+from engine.wire.protocol import AddRequest, FinishReason
+from engine.wire.sampling_params import SamplingParams
 
 log = structlog.get_logger("api-server")
 HEARTBEAT_S = 1.0
@@ -54,40 +53,27 @@ class InprocConfig:
 
 
 def build_engine_core(config: InprocConfig):
-    """An EngineCore on an InprocExecutor (this imports torch, in this thread only)."""
-    from engine.core.engine_core import EngineCore
-    from engine.core.scheduler_config import SchedulerConfig
+    """An EngineCore on an InprocExecutor, or on a group of worker processes with TP x PP > 1. This is
+    in-process mode's one reach into the engine core (engine/core/setup.py, as the core process builds
+    itself), and it imports torch, in the engine thread only."""
+    from engine.core.setup import build_engine_core as build
+    from engine.core.setup import start_worker_group
     from engine.executor.executor import InprocExecutor
-    from engine.model.config import ModelConfig, eos_token_ids
+    from engine.model.config import ModelConfig
     from engine.worker.worker import WorkerConfig
 
-    model_config = ModelConfig.from_pretrained(config.model)
     world_size = config.tensor_parallel_size * config.pipeline_parallel_size
     if world_size > 1:
-        from engine.executor.worker_group import WorkerGroup
-
         if not (config.worker_address and config.ring_prefix and config.wakeup_address):
             raise ValueError("in-process mode with TP x PP > 1 needs --worker-address, --ring-prefix and "
                              "--wakeup-address (vsup serve passes them)")
-        executor = WorkerGroup(config.worker_address, world_size, ring_prefix=config.ring_prefix,
-                               wakeup_address=config.wakeup_address)
-        try:
-            executor.wait_for_ready(config.startup_timeout_s)
-            executor.initialize_cache()
-        except BaseException:
-            executor.close(shutdown_workers=False)
-            raise
+        executor = start_worker_group(config.worker_address, world_size, config.startup_timeout_s,
+                                      ring_prefix=config.ring_prefix, wakeup_address=config.wakeup_address)
     else:
         executor = InprocExecutor(WorkerConfig(model=config.model, device=config.device, dtype=config.dtype,
                                                kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size,
                                                num_threads=config.num_threads, name="api-server a0"))
-    scheduler_config = SchedulerConfig(
-        num_blocks=executor.num_blocks, block_size=config.block_size,
-        max_model_len=config.max_model_len or model_config.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
-        enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos_token_ids(config.model))
-    return EngineCore(scheduler_config, executor, model_config.vocab_size,
-                      num_batches_in_flight=config.pipeline_parallel_size)
+    return build(config, executor, ModelConfig.from_pretrained(config.model))
 
 
 class InprocClient(ClientBase):

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 from engine.api_server.tokenizer import Tokenizer
-from engine.scheduler_output import TokenLogprobs
+from engine.wire.scheduler_output import TokenLogprobs
 
 # JSON has no -inf; vLLM and OpenAI clamp the same way
 MIN_LOGPROB = -9999.0

@@ -11,8 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from engine.core.request import FinishReason, RequestUpdate
-from engine.sampling.params import SamplingParams
+from engine.wire.protocol import FinishReason, RequestUpdate
+from engine.wire.sampling_params import SamplingParams
 
 
 class RequestStream:

@@ -12,7 +12,7 @@ import msgspec
 
 from engine.api_server.errors import bad_request
 from engine.api_server.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.sampling.params import SamplingParams
+from engine.wire.sampling_params import SamplingParams
 
 SEED_SPACE = 2**64
 

@@ -106,14 +106,10 @@ def build(args: argparse.Namespace, before_serving=None):
     if args.multiprocessing:
         from engine import cluster
         from engine.api_server.engine_client import EngineClient
-        fingerprint = cluster.fingerprint(
-            args.model, tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-            api_server_count=args.api_server_count, dtype=args.dtype, max_model_len=args.max_model_len,
-            block_size=args.block_size, dp_lockstep=args.dp_lockstep)
         client = EngineClient(args.engine_address, args.data_parallel_size,
                               heartbeat_timeout_s=args.engine_heartbeat_timeout,
-                              coordinator_address=args.coordinator_address, fingerprint=fingerprint)
+                              coordinator_address=args.coordinator_address,
+                              fingerprint=cluster.fingerprint_of(args, args.api_server_count))
     else:
         from engine.api_server.inproc_client import InprocClient, InprocConfig
         client = InprocClient(InprocConfig(

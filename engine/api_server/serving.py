@@ -17,7 +17,7 @@ from engine.api_server.errors import OpenAIError, error_body, model_not_found, u
 from engine.api_server.generation import ChoiceDelta, ChoiceResult, ChoiceRunner, merge
 from engine.api_server.sampling import choice_params
 from engine.api_server.tokenizer import Tokenizer
-from engine.sampling.params import SamplingParams
+from engine.wire.sampling_params import SamplingParams
 
 _json = msgspec.json.Encoder()
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 import time
 import uuid
 
-import msgspec
 import structlog
 import zmq
 
 from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
+from engine.coordinator.waves import WaveBarrier
 from engine.log import configure
 from engine.process import become
-from engine.coordinator.waves import WaveBarrier
-from engine.protocol import CoreLoad, LoadStats, WaveReport, encoder, to_coordinator
+from engine.wire.protocol import CoreLoad, LoadStats, WaveReport, encoder, to_coordinator
 
 log = structlog.get_logger("coordinator")
 PUBLISH_S = 0.1
@@ -78,10 +77,8 @@ class Coordinator:
                 raw = self.input.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return changed
-            try:
-                msg = to_coordinator.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", error=str(e))
+            msg = to_coordinator.decode_or_drop(raw, log)
+            if msg is None:
                 continue
             if isinstance(msg, WaveReport):
                 if self.barrier is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from engine.protocol import WaveEnd, WaveGo, WaveReport
+from engine.wire.protocol import WaveEnd, WaveGo, WaveReport
 
 log = structlog.get_logger("coordinator")
 DEAD_AFTER_S = 5.0

@@ -10,12 +10,12 @@ from collections import deque
 
 import structlog
 
-from engine.core.request import FinishReason, Request, RequestUpdate
-from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
-from engine.protocol import AddRequest
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.wire.protocol import AddRequest, FinishReason, RequestUpdate, SchedulerStats
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 log = structlog.get_logger("engine-core")
 

@@ -24,14 +24,13 @@ import zmq
 from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.core.engine_core import EngineCore
-from engine.core.request import RequestUpdate
-from engine.core.scheduler_config import SchedulerConfig
+from engine.core.setup import build_engine_core, start_worker_group
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
-from engine.model.config import ModelConfig, eos_token_ids
-from engine.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused, Stop,
-                             UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost, control, encoder,
-                             from_waves, to_core)
-from engine.wire import Decoder
+from engine.model.config import ModelConfig
+from engine.wire.decoder import Decoder
+from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused,
+                                  RequestUpdate, Stop, UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost,
+                                  control, encoder, from_waves, to_core)
 
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
@@ -100,41 +99,25 @@ class EngineCoreProc:
     # lifecycle
 
     def run(self) -> None:
-        fingerprint = fingerprint_of(self.args)
+        fingerprint = cluster.fingerprint_of(self.args, len(self.args.api_server_address))
         self.fingerprint_hash = cluster.fingerprint_hash(fingerprint)
         self.say(Hello(dp_rank=self.dp_rank, instance=self.instance, pid=os.getpid(),
                        fingerprint=fingerprint, node=socket.gethostname()))
         self.group = self.start_group(self.args.startup_timeout)
-        max_model_len = self.args.max_model_len or self.model_config.max_model_len
-        config = SchedulerConfig(
-            num_blocks=self.group.num_blocks, block_size=self.args.block_size, max_model_len=max_model_len,
-            max_num_seqs=self.args.max_num_seqs,
-            max_num_batched_tokens=max(self.args.max_num_batched_tokens, self.args.block_size),
-            enable_prefix_caching=self.args.enable_prefix_caching, eos_token_id=eos_token_ids(self.args.model))
-        capacity = config.num_blocks * config.block_size
-        if capacity < max_model_len:
-            raise CoreFailed(f"the KV cache holds {capacity} tokens but --max-model-len is {max_model_len}; "
-                             f"raise --kv-cache-memory or lower --max-model-len")
-        self.core = EngineCore(config, self.group, self.model_config.vocab_size,
-                               num_batches_in_flight=self.args.pipeline_parallel_size)
+        try:
+            self.core = build_engine_core(self.args, self.group, self.model_config)
+        except ValueError as e:
+            raise CoreFailed(str(e)) from None
         self.say_ready()
-        log.info("ready", num_blocks=config.num_blocks, max_model_len=max_model_len)
+        log.info("ready", num_blocks=self.core.config.num_blocks, max_model_len=self.core.config.max_model_len)
         self.loop()
 
     def start_group(self, timeout_s: float) -> WorkerGroup:
-        """Bind the workers' socket, wait for all their READYs, have them allocate the cache."""
         a = self.args
-        group = WorkerGroup(a.worker_address, a.tensor_parallel_size * a.pipeline_parallel_size,
-                            ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address,
-                            remote_address=a.ring_remote_address, ctx=self.ctx,
-                            interrupt=self.control, on_interrupt=self.on_control)
-        try:
-            group.wait_for_ready(timeout_s)
-            group.initialize_cache()
-        except BaseException:
-            group.close(shutdown_workers=False)
-            raise
-        return group
+        return start_worker_group(a.worker_address, a.tensor_parallel_size * a.pipeline_parallel_size, timeout_s,
+                                  ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address,
+                                  remote_address=a.ring_remote_address, ctx=self.ctx, interrupt=self.control,
+                                  on_interrupt=self.on_control)
 
     def loop(self) -> None:
         poller = zmq.Poller()
@@ -394,20 +377,9 @@ def pending(sock: zmq.Socket, decoder: Decoder, sender: str):
             raw = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
-        try:
-            msg = decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            log.warning("dropped malformed message", sender=sender, error=str(e))
-            continue
-        yield msg
-
-
-def fingerprint_of(args) -> dict[str, str]:
-    """What this core must agree on with the API servers it joins (engine/cluster.py)."""
-    return cluster.fingerprint(
-        args.model, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size, api_server_count=len(args.api_server_address), dtype=args.dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size, dp_lockstep=args.dp_lockstep)
+        msg = decoder.decode_or_drop(raw, log, sender=sender)
+        if msg is not None:
+            yield msg
 
 
 def _exit(signum, frame):

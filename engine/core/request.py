@@ -5,10 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-import msgspec
-
-from engine.sampling.params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
+from engine.wire.protocol import FinishReason
+from engine.wire.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -17,29 +15,6 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended: OpenAI's "stop" and "length", vLLM's "abort" and "error"."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
-
-
-class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one request gained in one step, for the engine core to pass to its API server.
-
-    `new_token_ids` keep a final stop or EOS token: the API server decides
-    whether to show it. `error` says why when finish_reason is "error".
-    """
-
-    req_id: str
-    new_token_ids: list[int] = []
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs | None] = []
-    error: str | None = None
 
 
 class Request:

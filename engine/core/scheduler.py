@@ -18,25 +18,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-import msgspec
-
 from engine.core.block_manager import BlockManager
-from engine.core.request import FinishReason, Request, RequestStatus, RequestUpdate, check_stop
+from engine.core.request import Request, RequestStatus, check_stop
 from engine.core.scheduler_config import SchedulerConfig
-from engine.scheduler_output import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
-
-
-class SchedulerStats(msgspec.Struct, frozen=True):
-    """A snapshot for logs and metrics; the prefix-cache and preemption numbers are cumulative.
-    It goes to the API servers with every batch of outputs."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
+from engine.wire.protocol import FinishReason, RequestUpdate, SchedulerStats
+from engine.wire.scheduler_output import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker, WorkerConfig
 
 

@@ -2,7 +2,7 @@
 
 Someone else starts the worker processes (the supervisor, or a test); the
 group binds the address they connect to, tells each the epoch it joins
-(engine/worker/messages.py), waits for every READY, sizes the KV cache to
+(engine/wire/worker_messages.py), waits for every READY, sizes the KV cache to
 the smallest budget, then writes each step once into the ring that every
 rank reads, and takes the sampled tokens from the sampling rank. A group
 is one generation: a core that loses it forms a new one, with a new epoch.
@@ -14,17 +14,16 @@ import secrets
 import time
 from collections.abc import Callable
 
-import msgspec
 import psutil
 import structlog
 import zmq
 
 from engine import cluster
-from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastWriter
-from engine.executor.tcp_broadcast import TcpBroadcastWriter
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
-                                    WorkerReady, encoder, from_worker)
+from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastWriter
+from engine.ring.tcp_broadcast import TcpBroadcastWriter
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
+                                         WorkerReady, encoder, from_worker)
 
 log = structlog.get_logger("engine-core")
 CHECK_S = 0.5  # while waiting, look this often whether every worker still lives
@@ -81,10 +80,8 @@ class WorkerGroup:
                             num_frames=len(frames))
                 continue
             identity, raw = frames
-            try:
-                msg = from_worker.decode(raw)
-            except msgspec.DecodeError as e:
-                log.warning("dropped malformed message", sender=identity.decode(errors="replace"), error=str(e))
+            msg = from_worker.decode_or_drop(raw, log, sender=identity.decode(errors="replace"))
+            if msg is None:
                 continue
             if isinstance(msg, JoinGroup):
                 self._replaced(identity, msg.name, msg.pid)

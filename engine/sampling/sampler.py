@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from engine.wire.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

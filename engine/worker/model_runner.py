@@ -13,9 +13,9 @@ import torch
 from engine.distributed import ParallelGroups
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
-from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler, SamplingMetadata, exponential_noise, make_generator
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
 @dataclass

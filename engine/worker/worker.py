@@ -15,8 +15,8 @@ from engine.model.attention import kv_cache_block_bytes
 from engine.model.config import ModelConfig, eos_token_ids
 from engine.model.loader import load_model
 from engine.progress import ProgressReporter
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.messages import WorkerReady
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.wire.worker_messages import WorkerReady
 from engine.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("worker")

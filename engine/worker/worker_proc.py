@@ -24,13 +24,12 @@ import zmq
 
 from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
-from engine.executor.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
-from engine.executor.tcp_broadcast import TcpBroadcastReader
 from engine.log import configure
 from engine.process import become
-from engine.wire import Decoder
-from engine.worker.messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
-                                    WorkerReady, encoder, from_ring, to_worker)
+from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
+from engine.ring.tcp_broadcast import TcpBroadcastReader
+from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
+                                         WorkerReady, encoder, from_ring, to_worker)
 from engine.worker.step_watch import StepWatch
 from engine.worker.worker import Worker, WorkerConfig
 
@@ -120,7 +119,7 @@ def join(sock: zmq.Socket, hello: JoinGroup, log) -> str | None:
         sock.send(encoder.encode(hello))
         if not sock.poll(JOIN_AGAIN_S * 1000):
             continue
-        msg = _decode(to_worker, sock.recv(), log)
+        msg = to_worker.decode_or_drop(sock.recv(), log)
         if isinstance(msg, GroupEpoch):
             return msg.epoch
         if isinstance(msg, Shutdown):
@@ -142,7 +141,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         if not sock.poll(READY_AGAIN_S * 1000):
             sock.send(encoder.encode(ready))
             continue
-        msg = _decode(to_worker, sock.recv(), log)
+        msg = to_worker.decode_or_drop(sock.recv(), log)
     nbytes = worker.initialize_cache(msg.num_blocks)
     if node_rank and msg.remote_address:  # the core's node is another one: no shared memory with it
         ring = TcpBroadcastReader(msg.remote_address, sock.context)
@@ -159,7 +158,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
             except (PeerDied, RingClosed) as e:
                 log.warning("engine core is gone or gave up this group; exiting", reason=str(e))
                 return False
-            step = _decode(from_ring, raw, log)
+            step = from_ring.decode_or_drop(raw, log)
             if step is None:
                 continue
             if isinstance(step, Shutdown):
@@ -173,15 +172,6 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         if isinstance(watch, StepWatch):
             watch.close()
         ring.close()
-
-
-def _decode(decoder: Decoder, raw: bytes, log):
-    """The message in `raw`, or None (logged) when it is malformed or not one we take."""
-    try:
-        return decoder.decode(raw)
-    except msgspec.DecodeError as e:
-        log.warning("dropped malformed message", error=str(e), nbytes=len(raw))
-        return None
 
 
 if __name__ == "__main__":

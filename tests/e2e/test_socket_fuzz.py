@@ -49,9 +49,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import cluster
-from engine.protocol import (CoreLoad, Hello, Outputs, Ready, Stop, WaveReport, WorkersLost, control, from_core,
-                             to_coordinator)
-from engine.worker.messages import CacheReady, WorkerReady, from_worker
+from engine.wire.protocol import (CoreLoad, Hello, Outputs, Ready, Stop, WaveReport, WorkersLost, control, from_core,
+                                  to_coordinator)
+from engine.wire.worker_messages import CacheReady, WorkerReady, from_worker
 from tests.e2e.served import Served, complete
 from tests.e2e.test_multinode import free_port_block
 from tests.malformed import DEPTH, FUZZ, OVERSIZED, control_requests, frames, oversized, rejects

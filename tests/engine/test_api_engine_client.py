@@ -13,11 +13,9 @@ import zmq.asyncio
 
 from engine.api_server.engine_client import EngineClient, EngineUnavailable
 from engine.api_server.inproc_client import InprocClient, InprocConfig
-from engine.core.request import RequestUpdate
-from engine.core.scheduler import SchedulerStats
-from engine.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, UtilityCall, UtilityResult,
-                             encoder, to_core)
-from engine.sampling.params import SamplingParams
+from engine.wire.protocol import (AbortRequests, AddRequest, Failed, Hello, Outputs, Ready, RequestUpdate,
+                                  SchedulerStats, UtilityCall, UtilityResult, encoder, to_core)
+from engine.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 STATS = SchedulerStats(1, 2, 0.5, 0.0, 0, 0, 0)

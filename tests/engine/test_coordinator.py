@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from engine.protocol import CoreLoad, coordinator_out, encoder
+from engine.wire.protocol import CoreLoad, coordinator_out, encoder
 
 
 def test_load_is_published_within_100ms_of_a_change(tmp_path):
@@ -45,7 +45,7 @@ def test_api_server_client_routes_by_the_coordinators_load(tmp_path):
     import asyncio
 
     from engine.api_server.engine_client import EngineClient
-    from engine.protocol import LoadStats
+    from engine.wire.protocol import LoadStats
 
     async def scenario():
         ctx = zmq.Context()

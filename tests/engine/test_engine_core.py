@@ -17,9 +17,9 @@ import zmq
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import InprocExecutor
-from engine.protocol import (AddRequest, Failed, Hello, Outputs, Ready, UtilityCall, UtilityResult,
-                             encoder, from_core)
-from engine.sampling.params import SamplingParams
+from engine.wire.protocol import (AddRequest, Failed, Hello, Outputs, Ready, UtilityCall, UtilityResult, encoder,
+                                  from_core)
+from engine.wire.sampling_params import SamplingParams
 from engine.worker.worker import WorkerConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

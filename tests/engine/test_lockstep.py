@@ -14,8 +14,8 @@ import torch
 import zmq
 
 from engine.coordinator.waves import WaveBarrier
-from engine.protocol import (CoreLoad, WaveEnd, WaveGo, WaveReport, coordinator_out, encoder, from_waves)
-from engine.scheduler_output import SchedulerOutput
+from engine.wire.protocol import CoreLoad, WaveEnd, WaveGo, WaveReport, coordinator_out, encoder, from_waves
+from engine.wire.scheduler_output import SchedulerOutput
 
 
 class Clock:
@@ -247,8 +247,8 @@ def _worker(model_dir):
 
 def _greedy_steps(execute, prompt, num_tokens, dummy_between=False):
     """One request: prefill, then decodes, a dummy step between every two when asked."""
-    from engine.sampling.params import SamplingParams
-    from engine.scheduler_output import CachedRequest, NewRequest
+    from engine.wire.sampling_params import SamplingParams
+    from engine.wire.scheduler_output import CachedRequest, NewRequest
 
     greedy = SamplingParams(temperature=0.0, max_tokens=None)
     tokens, out = list(prompt), []

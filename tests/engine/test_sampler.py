@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import Sampler, SamplingMetadata, SamplingParams, make_generator
-from engine.sampling.sampler import apply_top_k_top_p
+from engine.sampling.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_generator
+from engine.wire.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 50
@@ -57,7 +57,8 @@ def test_min_tokens_above_max_tokens_is_rejected():
 
 
 def test_params_import_without_torch():
-    code = "import sys, engine.sampling; engine.sampling.SamplingParams().validate(); print('torch' in sys.modules)"
+    code = ("import sys; from engine.wire.sampling_params import SamplingParams; SamplingParams().validate(); "
+            "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -11,11 +11,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
-from engine.sampling.params import SamplingParams
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.wire.protocol import FinishReason
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 VOCAB, EOS = 40, 0
 

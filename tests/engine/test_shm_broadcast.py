@@ -21,13 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.executor import shm_broadcast, shm_segment
-from engine.executor.shm_broadcast import (PeerDied, RingClosed, ShmBroadcastReader, ShmBroadcastWriter,
-                                           remove_stale)
+from engine.ring import shm_broadcast, shm_segment
+from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader, ShmBroadcastWriter, remove_stale
 
 CHILD = r'''
 import hashlib, sys, time
-from engine.executor.shm_broadcast import ShmBroadcastReader, ShmBroadcastWriter
+from engine.ring.shm_broadcast import ShmBroadcastReader, ShmBroadcastWriter
 mode, *args = sys.argv[1:]
 say = lambda *words: print(*words, flush=True)
 if mode == "write":  # one message, then wait to be killed

@@ -8,8 +8,8 @@ import time
 import pytest
 import zmq
 
-from engine.executor.shm_segment import PeerDied
-from engine.executor.tcp_broadcast import TcpBroadcastReader, TcpBroadcastWriter
+from engine.ring.shm_segment import PeerDied
+from engine.ring.tcp_broadcast import TcpBroadcastReader, TcpBroadcastWriter
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import protocol
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker import messages
+from engine.wire import protocol
+from engine.wire import worker_messages as messages
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tests.malformed import ANY, DEPTH, FUZZ, encode, misshapen, nested_too_deep, oversized, struct_types
 
 # each decoder, with real messages of its type

@@ -13,9 +13,9 @@ import structlog
 import zmq
 
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
-from engine.sampling.params import SamplingParams
-from engine.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
-from engine.worker.messages import WorkerReady, encoder
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
+from engine.wire.worker_messages import WorkerReady, encoder
 from engine.worker.worker import Worker, WorkerConfig
 from tests.malformed import nested_too_deep
 
@@ -204,7 +204,7 @@ def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
 
 
 def test_default_model_answers_paris():
-    """DESIGN.md section 6: greedy on the default model says where the capital of France is."""
+    """Greedy on the default model says where the capital of France is."""
     from transformers import AutoTokenizer
 
     from engine.model.default_model import default_model_dir

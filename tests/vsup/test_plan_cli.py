@@ -7,7 +7,7 @@ import sys
 import pytest
 
 VSUP = [sys.executable, "-m", "vsup"]
-SMOLLM2 = {  # the default model's config.json, as DESIGN.md section 6 describes it
+SMOLLM2 = {  # the default model's config.json (SmolLM2-135M-Instruct)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
     "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000.0,

@@ -1,4 +1,4 @@
-"""Backoff and start limit (DESIGN.md section 2): 0.5 s, x2, cap 30 s, reset after 60 s, 5 in 300 s."""
+"""Backoff and start limit: 0.5 s, x2, cap 30 s, reset after 60 s, 5 in 300 s."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The topology: flags -> process specs, and the count formula of DESIGN.md section 1."""
+"""The topology: flags -> process specs, and the count formula of docs/ARCHITECTURE.md."""
 
 import pytest
 from hypothesis import given, settings

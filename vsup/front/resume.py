@@ -1,4 +1,4 @@
-"""Resuming a generation on a new vLLM tree from token IDs (DESIGN.md section 8, the front). Pure.
+"""Resuming a generation on a new vLLM tree from token IDs. Pure.
 
 The front asks vLLM for `return_token_ids`, so every streamed chunk says which
 token IDs it carries, and the first says the prompt's. When the tree dies, the

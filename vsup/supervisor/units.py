@@ -1,4 +1,4 @@
-"""Restart units (DESIGN.md section 2): what restarts together when one process dies. Pure.
+"""Restart units (docs/ARCHITECTURE.md): what restarts together when one process dies. Pure.
 
 A TP/PP group cannot re-admit one rank (its communicators die with any
 member), so a worker's death restarts its whole worker group; an engine

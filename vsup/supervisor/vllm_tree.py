@@ -1,4 +1,4 @@
-"""Supervising a stock vLLM (DESIGN.md section 8): one `vllm serve` started, its whole tree watched.
+"""Supervising a stock vLLM: one `vllm serve` started, its whole tree watched.
 
 vLLM starts the rest of its tree itself. The start-up hook (vsup/vllm/hook)
 introduces every process of it on the hook socket, so the supervisor holds a

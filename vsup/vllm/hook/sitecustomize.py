@@ -1,4 +1,4 @@
-"""vsup's start-up hook in every process of a stock vLLM tree (DESIGN.md section 8).
+"""vsup's start-up hook in every process of a stock vLLM tree.
 
 `vsup serve --engine vllm` puts this directory first on the PYTHONPATH of
 `vllm serve`, so Python imports this module at start-up in every process of the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sampling.params import SamplingParams
+from engine.wire.sampling_params import SamplingParams
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,4 +1,4 @@
-"""Messages between API servers and engine cores (DESIGN.md section 5).
+"""Messages between API servers and engine cores (docs/ARCHITECTURE.md, the wire).
 
 Each engine core connects one DEALER socket (identity `dp<rank>`) to every
 API server's ROUTER. It says `Hello` when it starts, `Ready` once its
@@ -9,12 +9,52 @@ so it resubmits what the old one held. msgpack through msgspec; no pickle.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-from engine.core.request import RequestUpdate
-from engine.core.scheduler import SchedulerStats
-from engine.sampling.params import SamplingParams
-from engine.wire import Decoder
+from engine.wire.decoder import Decoder
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import TokenLogprobs
+
+# what a request gained, and the scheduler's figures
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended: OpenAI's "stop" and "length", vLLM's "abort" and "error"."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step, for the engine core to pass to its API server.
+
+    `new_token_ids` keep a final stop or EOS token: the API server decides
+    whether to show it. `error` says why when finish_reason is "error".
+    """
+
+    req_id: str
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs | None] = []
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, frozen=True):
+    """A snapshot for logs and metrics; the prefix-cache and preemption numbers are cumulative.
+    It goes to the API servers with every batch of outputs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+
 
 # core -> API server: lifecycle
 

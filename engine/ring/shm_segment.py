@@ -1,7 +1,7 @@
 """The shared-memory segment under the broadcast ring: its layout, the wait loop both ends use,
 liveness of the peer processes, and removal of rings whose writer died.
 
-See engine/executor/shm_broadcast.py for the ring itself.
+See engine/ring/shm_broadcast.py for the ring itself.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from collections.abc import Iterable
 
 import zmq
 
-from engine.executor.shm_segment import (ATTACHED, CLOSED_WORD, DETACHED, Layout, MAGIC, PID_WORD, PeerDied, RingClosed, RingEnd, SHM_DIR, START_WORD, UNATTACHED, check_name, fence, is_alive, remove_stale, start_ms)
+from engine.ring.shm_segment import (ATTACHED, CLOSED_WORD, DETACHED, Layout, MAGIC, PID_WORD, PeerDied, RingClosed,
+                                     RingEnd, SHM_DIR, START_WORD, UNATTACHED, check_name, fence, is_alive,
+                                     remove_stale, start_ms)
 
 __all__ = ["ShmBroadcastWriter", "ShmBroadcastReader", "PeerDied", "RingClosed", "remove_stale"]
 

@@ -17,7 +17,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engine import cluster
-from engine.executor.shm_segment import PeerDied
+from engine.ring.shm_segment import PeerDied
+
 
 class TcpBroadcastWriter:
     """The engine core's end: binds `address` and sends every message to all remote readers."""

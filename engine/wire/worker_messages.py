@@ -5,7 +5,7 @@ which generation of its group to join (JoinGroup, answered by GroupEpoch), meets
 its peers under that epoch, then sends READY; the core sends InitializeCache,
 and the worker sends failures and (from the sampling rank) sampled tokens back.
 Steps and Shutdown then come through the shared-memory ring that InitializeCache
-names (engine.executor.shm_broadcast). msgpack through msgspec, tagged, never pickle.
+names (engine.ring.shm_broadcast). msgpack through msgspec, tagged, never pickle.
 
 The epoch is why a group heals when its ranks live on several nodes, each
 restarted by its own supervisor: a rank of the new group never meets a rank of
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.wire import Decoder
+from engine.wire.decoder import Decoder
+from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class JoinGroup(msgspec.Struct, tag="join"):
