@@ -62,6 +62,8 @@ def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_b
     per_layer = (h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size) // tp + 2 * h
     if shape.attention_bias:
         per_layer += (q + 2 * kv) // tp
+    if shape.o_proj_bias:
+        per_layer += h  # a row-parallel bias is whole on every rank
     params = len(layer_ranges(shape.num_layers, pp)[stage]) * per_layer
     embedding = shape.vocab_size * h // tp
     if stage == 0:

@@ -1,4 +1,8 @@
-"""The shape of a model, read from its Hugging Face config.json (no torch)."""
+"""The shape of a model, read from its Hugging Face config.json (no torch).
+
+engine/model/config.py is the one reader of config.json; this is vsup's view
+of what it read, with errors a user can fix as UsageErrors.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model.config import ModelConfig
 from vsup.errors import UsageError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -25,31 +30,25 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on q, k and v
+    o_proj_bias: bool
     dtype: str
 
     @classmethod
-    def from_config(cls, config: dict, name: str = "model") -> ModelShape:
+    def from_config(cls, config: dict, name: str = "model", strict: bool = True) -> ModelShape:
+        """`strict`: a model our engine runs; else any decoder whose shape reads like a Llama's (for
+        --engine vllm, which runs more architectures than ours)."""
         try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-            return cls(
-                name=name,
-                num_layers=int(config["num_hidden_layers"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                vocab_size=int(config["vocab_size"]),
-                max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-                dtype=dtype if dtype in DTYPE_BYTES else "float32",
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            c = ModelConfig.from_dict(config, strict=strict)
+        except KeyError as e:
             raise UsageError(f"MODEL: config.json lacks a usable {e} field; is this a Llama-family model?") from None
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"MODEL: config.json: {e}") from None
+        return cls(name=name, num_layers=c.num_layers, hidden_size=c.hidden_size,
+                   intermediate_size=c.intermediate_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                   head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
+                   tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+                   o_proj_bias=c.o_proj_bias, dtype=c.dtype)
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """Refuse TP that does not split the heads and the MLP evenly, or PP with more stages than layers."""
@@ -66,7 +65,7 @@ class ModelShape:
                 f"layers; use at most -pp {self.num_layers}")
 
 
-def read_model_shape(path: str | Path) -> ModelShape:
+def read_model_shape(path: str | Path, strict: bool = True) -> ModelShape:
     """Read MODEL's config.json; a path that is not a model directory is a usage error."""
     path = Path(path)
     if not path.is_dir():
@@ -80,4 +79,4 @@ def read_model_shape(path: str | Path) -> ModelShape:
         raise UsageError(f"MODEL {str(path)!r}: config.json cannot be read ({e})") from None
     if not isinstance(config, dict):
         raise UsageError(f"MODEL {str(path)!r}: config.json is not a JSON object")
-    return ModelShape.from_config(config, name=path.name)
+    return ModelShape.from_config(config, name=path.name, strict=strict)

@@ -1,6 +1,8 @@
-"""The model's shape, read from a local Hugging Face directory's config.json.
+"""The model's shape, read from a local Hugging Face directory's config.json: the one reader of it.
 
-No torch here: the API server may read a ModelConfig without importing torch.
+No torch here and nothing else of the engine: the API server reads a ModelConfig
+without importing torch, and `vsup plan` reads the same one (its only import of
+the engine), so that the planner and the engine can never read a config apart.
 """
 
 from __future__ import annotations
@@ -97,21 +99,23 @@ class ModelConfig:
                              f"use at most -pp {self.num_layers}")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | None = None, strict: bool = True) -> ModelConfig:
         """Read `model_dir`/config.json. `dtype` (float32, float16, bfloat16)
         overrides the checkpoint's own; None or "auto" keeps it."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{str(model_dir)!r} has no config.json; give a local Hugging Face model directory")
-        return cls.from_dict(json.loads(path.read_text()), dtype=dtype)
+        return cls.from_dict(json.loads(path.read_text()), dtype=dtype, strict=strict)
 
     @classmethod
-    def from_dict(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
-        """Build from a parsed HF config (transformers 4 and 5 spellings)."""
-        arch = _architecture(hf)
-        if hf.get("hidden_act", "silu") != "silu":
+    def from_dict(cls, hf: dict, dtype: str | None = None, strict: bool = True) -> ModelConfig:
+        """Build from a parsed HF config (transformers 4 and 5 spellings). Not `strict`: the shape of a
+        model this engine does not run (another architecture, activation or rope; for a stock vLLM to
+        serve), with what it cannot tell taken as a Llama's and an unknown dtype as float32."""
+        arch = _architecture(hf, strict)
+        if strict and hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; Llama-family models use silu")
-        if hf.get("mlp_bias"):
+        if strict and hf.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported; Llama-family checkpoints have no MLP bias")
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -121,6 +125,8 @@ class ModelConfig:
         use_window = hf.get("use_sliding_window", arch != "qwen2")  # Qwen2 lists a window it does not use
         if dtype in (None, "auto"):
             dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+            if not strict and dtype not in SUPPORTED_DTYPES:
+                dtype = "float32"
         return cls(
             model_type=arch,
             num_layers=int(hf["num_hidden_layers"]),
@@ -136,19 +142,21 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else llama_bias,
             o_proj_bias=False if arch == "qwen2" else llama_bias,
-            rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope),
+            rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope) if strict else None,
             sliding_window=int(hf["sliding_window"]) if use_window and hf.get("sliding_window") else None,
             dtype=dtype,
         )
 
 
-def _architecture(hf: dict) -> str:
+def _architecture(hf: dict, strict: bool = True) -> str:
     names = hf.get("architectures") or []
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[name]
     if not names and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         return hf["model_type"]
+    if not strict:
+        return str(hf.get("model_type") or (names[0] if names else "unknown"))
     raise ValueError(
         f"architecture {names or hf.get('model_type')!r} is not supported; vsup serves "
         f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints (SmolLM2 is a LlamaForCausalLM)")

@@ -134,17 +134,20 @@ def test_directory_without_config_is_not_a_model(tmp_path):
     assert result.returncode == 2 and "no config.json" in result.stderr
 
 
-def test_plan_imports_no_torch_transformers_engine_or_other_commands():
+def test_plan_imports_no_torch_transformers_engine_or_other_commands(tmp_path):
     """`vsup plan` is the command run before every launch: it loads neither the model stack nor the
-    modules of the commands it has nothing to do with."""
-    code = ("import sys; sys.argv = ['vsup', 'plan', '--device', 'cpu', '--json']\n"
+    modules of the commands it has nothing to do with. Of the engine it reads only the model's config
+    (engine/model/config.py, the one reader of config.json)."""
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    code = (f"import sys; sys.argv = ['vsup', 'plan', {str(tmp_path)!r}, '--device', 'cpu', '--json']\n"
             "from vsup.cli.main import run\n"
             "try:\n    run()\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'transformers', 'engine', 'vsup.cli.ps', 'vsup.cli.logs',\n"
-            "                     'vsup.cli.stop') if m in sys.modules]\n"
-            "print('HEAVY', heavy, file=sys.stderr)")
+            "heavy = [m for m in sys.modules if m in ('torch', 'transformers', 'vsup.cli.ps', 'vsup.cli.logs',\n"
+            "         'vsup.cli.stop') or m.startswith('engine') and m not in ('engine', 'engine.model',\n"
+            "         'engine.model.config')]\n"
+            "print('HEAVY', heavy, 'engine.model.config' in sys.modules, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "HEAVY []" in result.stderr, result.stderr
+    assert "HEAVY [] True" in result.stderr, result.stderr
     assert json.loads(result.stdout)["total"] >= 3
 
 

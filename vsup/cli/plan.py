@@ -68,7 +68,7 @@ def plan(
     shape = memory = None
     if model is not None:
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
-                                     gpu_memory_utilization)
+                                     gpu_memory_utilization, engine.value)
 
     if as_json:
         out = the_plan.to_json()

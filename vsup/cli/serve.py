@@ -106,7 +106,8 @@ def serve(
     if not headless:
         check_port_free(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
-    _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization)
+    _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization,
+                             engine.value)
     if engine == o.EngineKind.vllm:
         from vsup.vllm.args import ServeFlags, check_supported
         from vsup.vllm.launch import FrontFlags, vllm_deployment

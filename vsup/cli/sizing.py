@@ -24,13 +24,14 @@ def parallel_config(*, tensor_parallel_size: int, pipeline_parallel_size: int, d
 
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
-                 kv_cache_memory: str | None, gpu_memory_utilization: float):
-    """(shape, memory plan) for MODEL under `config`, or a UsageError that says what does not fit."""
+                 kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup"):
+    """(shape, memory plan) for MODEL under `config`, or a UsageError that says what does not fit. A stock
+    vLLM runs more architectures than our engine: for it, any model whose shape reads like a Llama's."""
     from vsup.devices import gpu_memory_bytes
     from vsup.memory import memory_plan, parse_size
     from vsup.model_shape import read_model_shape
 
-    shape = read_model_shape(model)
+    shape = read_model_shape(model, strict=engine != "vllm")
     shape.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
     if max_model_len is not None and max_model_len < 1:
         raise UsageError(f"--max-model-len must be at least 1 (got {max_model_len})")
