@@ -7,31 +7,20 @@ import json
 import typer
 
 from vsup.cli import options as o
+from vsup.cli.parallel_flags import ParallelFlags, parallel_flags
 
 app = typer.Typer()
 
 
 @app.command(context_settings={"allow_extra_args": True})
+@parallel_flags
 def plan(
     ctx: typer.Context,
     model: o.Model = None,
     config: o.Config = None,
     engine: o.EngineOpt = o.EngineKind.vsup,
-    tensor_parallel_size: o.TensorParallelSize = 1,
-    pipeline_parallel_size: o.PipelineParallelSize = 1,
-    data_parallel_size: o.DataParallelSize = 1,
-    api_server_count: o.ApiServerCount = None,
+    parallel: ParallelFlags = ParallelFlags(),  # the parallel flags (parallel_flags.py)
     replicas: o.Replicas = 1,
-    dp_size_local: o.DpSizeLocal = None,
-    dp_start_rank: o.DpStartRank = None,
-    headless: o.Headless = False,
-    dp_address: o.DpAddress = None,
-    nnodes: o.Nnodes = 1,
-    node_rank: o.NodeRank = 0,
-    master_addr: o.MasterAddr = "127.0.0.1",
-    master_port: o.MasterPort = 29500,
-    device: o.DeviceOpt = o.Device.auto,
-    multiprocessing: o.Multiprocessing = True,
     dtype: o.DTypeOpt = o.DType.auto,
     max_model_len: o.MaxModelLen = None,
     kv_cache_memory: o.KvCacheMemory = None,
@@ -48,11 +37,7 @@ def plan(
 
     model, _ = split_engine_args(model, ctx.args, engine.value)
 
-    config = parallel_config(
-        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
-        dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
-        master_addr=master_addr, master_port=master_port, device=device.value, multiprocessing=multiprocessing)
+    config = parallel_config(parallel)
     if replicas != 1 or engine == o.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
         from vsup.vllm.args import check_replicas
 

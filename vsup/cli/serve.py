@@ -8,35 +8,24 @@ import sys
 import typer
 
 from vsup.cli import options as o
+from vsup.cli.parallel_flags import ParallelFlags, parallel_flags
 from vsup.errors import UsageError
 
 app = typer.Typer()
 
 
 @app.command(context_settings={"allow_extra_args": True})
+@parallel_flags
 def serve(
     ctx: typer.Context,
     model: o.Model = None,
     config: o.Config = None,
     engine: o.EngineOpt = o.EngineKind.vsup,
     vllm_bin: o.VllmBin = None,
-    tensor_parallel_size: o.TensorParallelSize = 1,
-    pipeline_parallel_size: o.PipelineParallelSize = 1,
-    data_parallel_size: o.DataParallelSize = 1,
-    api_server_count: o.ApiServerCount = None,
+    parallel: ParallelFlags = ParallelFlags(),  # the parallel flags (parallel_flags.py)
     replicas: o.Replicas = 1,
-    dp_size_local: o.DpSizeLocal = None,
-    dp_start_rank: o.DpStartRank = None,
-    headless: o.Headless = False,
-    dp_address: o.DpAddress = None,
-    nnodes: o.Nnodes = 1,
-    node_rank: o.NodeRank = 0,
-    master_addr: o.MasterAddr = "127.0.0.1",
-    master_port: o.MasterPort = 29500,
     cluster_secret: o.ClusterSecret = None,
     dp_lockstep: o.DpLockstep = False,
-    device: o.DeviceOpt = o.Device.auto,
-    multiprocessing: o.Multiprocessing = True,
     dtype: o.DTypeOpt = o.DType.auto,
     max_model_len: o.MaxModelLen = None,
     kv_cache_memory: o.KvCacheMemory = None,
@@ -81,14 +70,9 @@ def serve(
     from vsup.topology import plan as make_plan
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
-    config = parallel_config(
-        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        data_parallel_size=data_parallel_size, api_server_count=api_server_count, dp_size_local=dp_size_local,
-        dp_start_rank=dp_start_rank, headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank,
-        master_addr=master_addr, master_port=master_port, device=device.value,
-        multiprocessing=multiprocessing)
-    if (dp_address or config.master) and not cluster_secret:
-        flag = "--dp-address" if dp_address else "--nnodes"
+    config = parallel_config(parallel)
+    if (parallel.dp_address or config.master) and not cluster_secret:
+        flag = "--dp-address" if parallel.dp_address else "--nnodes"
         raise UsageError(f"{flag} opens tcp ports to other nodes: give --cluster-secret (better: set "
                          f"VSUP_CLUSTER_SECRET), the same on every node, so that only they can join")
     if not 1 <= port <= 65535:
@@ -103,7 +87,7 @@ def serve(
 
     check_replicas(engine == o.EngineKind.vllm, replicas)
     run_dir = RunDir(name)
-    if not headless:
+    if not parallel.headless:
         check_port_free(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, config, dtype.value, max_model_len, kv_cache_memory, gpu_memory_utilization,
@@ -139,13 +123,14 @@ def serve(
                    "--drain-timeout", str(drain_timeout)]
     if max_model_len:
         engine_args += ["--max-model-len", str(max_model_len)]
-    if not multiprocessing:
+    if not parallel.multiprocessing:
         engine_args.append("--no-multiprocessing")
     if dp_lockstep:
         engine_args.append("--dp-lockstep")
     the_plan = make_plan(config, python=sys.executable, engine_args=tuple(engine_args),
                          run_dir=str(run_dir.path), deployment=name)
-    url = f"http://{host}:{port}" if not headless else f"the head node at {dp_address or config.master}"
+    head = parallel.dp_address or config.master
+    url = f"http://{host}:{port}" if not parallel.headless else f"the head node at {head}"
     secrets = {"VSUP_API_KEY": api_key, "VSUP_CLUSTER_SECRET": cluster_secret}  # the environment, never argv
     code, message = supervise(the_plan, run_dir, model_dir, url, policy, log_format.value,
                               {k: v for k, v in secrets.items() if v}, drain_timeout, stop_timeout, startup_timeout)

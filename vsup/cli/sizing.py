@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+from vsup.cli.parallel_flags import ParallelFlags
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 
 
-def parallel_config(*, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
-                    api_server_count: int | None, dp_size_local: int | None, dp_start_rank: int | None,
-                    headless: bool, dp_address: str | None, device: str, multiprocessing: bool, nnodes: int = 1,
-                    node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 29500) -> ParallelConfig:
+def parallel_config(flags: ParallelFlags) -> ParallelConfig:
     """Check the parallel flags and the devices they need on this node."""
     from vsup.devices import check_devices, resolve_device
 
     config = ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        data_parallel_size=data_parallel_size, api_server_count=api_server_count,
-        data_parallel_size_local=dp_size_local, data_parallel_start_rank=dp_start_rank,
-        headless=headless, dp_address=dp_address, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, device=resolve_device(device), multiprocessing=multiprocessing)
+        tensor_parallel_size=flags.tensor_parallel_size, pipeline_parallel_size=flags.pipeline_parallel_size,
+        data_parallel_size=flags.data_parallel_size, api_server_count=flags.api_server_count,
+        data_parallel_size_local=flags.dp_size_local, data_parallel_start_rank=flags.dp_start_rank,
+        headless=flags.headless, dp_address=flags.dp_address, nnodes=flags.nnodes, node_rank=flags.node_rank,
+        master_addr=flags.master_addr, master_port=flags.master_port, device=resolve_device(flags.device),
+        multiprocessing=flags.multiprocessing)
     check_devices(config.device, config.devices_per_node)
     return config
 
