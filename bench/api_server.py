@@ -50,11 +50,13 @@ import time
 import httpx
 
 import vllm_cpu
-from common import (Children, add_mode_args, percentile, print_table, ratio, run_streams, settle, setup,
+from common import (REPO_ROOT, Children, add_mode_args, percentile, print_table, ratio, run_streams, settle, setup,
                     stream_summary, vsup_serve, write_results)
 from common import mode as bench_mode
-from engine.api_server.local_deployment import LocalDeployment
 from engine.model.default_model import default_model_dir
+
+sys.path.insert(0, str(REPO_ROOT))  # the tests' serving tree without vsup
+from tests.local_deployment import LocalDeployment  # noqa: E402
 
 MODEL = "smollm2"
 WORDS = ("time year people way day man thing woman life child world school state family student group "

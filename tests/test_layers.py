@@ -124,7 +124,7 @@ def test_vsup_and_engine_never_import_each_other_but_the_model_config():
 def test_an_api_server_of_its_own_process_loads_no_engine_core_worker_or_torch(tmp_path):
     """The app as `python -m engine.api_server` builds it (multiprocess mode: the engine cores are other
     processes) holds nothing of the scheduler, the executor, the workers, the ring, nor torch."""
-    from engine.api_server.local_deployment import with_test_tokenizer
+    from tests.local_deployment import with_test_tokenizer
 
     model = with_test_tokenizer(build_checkpoint(tmp_path / "raw", "llama"), tmp_path / "model")
     code = ("import sys\n"

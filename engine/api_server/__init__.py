@@ -13,5 +13,4 @@ its one worker itself. The parts:
   client to the engine cores; inproc_client.py: the same API on an in-process core
   (its one reach into engine.core, docs/ARCHITECTURE.md)
 - metrics.py: Prometheus metrics
-- local_deployment.py: a serving tree without vsup, for tests and benchmarks
 """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api_server.local_deployment import with_test_tokenizer
 from tests.e2e.served import Served
+from tests.local_deployment import with_test_tokenizer
 
 
 @pytest.hookimpl(hookwrapper=True)

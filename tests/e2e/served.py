@@ -16,7 +16,7 @@ import weakref
 import httpx
 import openai
 
-from engine.api_server.local_deployment import free_port
+from tests.local_deployment import free_port
 from tests.polling import wait_for
 
 VSUP = [sys.executable, "-m", "vsup"]

@@ -21,8 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from engine.api_server.local_deployment import with_test_tokenizer
 from tests.e2e.served import complete, complete_all, mid_stream
+from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
 
 SECRET = "loopback-test-secret"

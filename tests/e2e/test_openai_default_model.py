@@ -12,7 +12,7 @@ import openai
 import psutil
 import pytest
 
-from engine.api_server.local_deployment import LocalDeployment
+from tests.local_deployment import LocalDeployment
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 JAPANESE = [{"role": "user", "content": "Translate 'thank you' into Japanese."}]

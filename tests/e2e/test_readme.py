@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.api_server.local_deployment import free_port
+from tests.local_deployment import free_port
 
 README = Path(__file__).parents[2] / "README.md"
 BIN = str(Path(sys.executable).parent)

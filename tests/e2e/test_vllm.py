@@ -20,11 +20,10 @@ import openai
 import psutil
 import pytest
 
-from engine.api_server.local_deployment import with_test_tokenizer
 from tests.conftest import build_checkpoint, held_shm
 from tests.e2e.served import VSUP
-from tests.e2e.vllm_served import (fault_free, in_flight, plan_names, running, serve_vllm, tree_pids,
-                                   vllm_bin_or_skip)
+from tests.e2e.vllm_served import fault_free, in_flight, plan_names, running, serve_vllm, tree_pids, vllm_bin_or_skip
+from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api_server.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.api_server.local_deployment import with_test_tokenizer
 from engine.api_server.tokenizer import Tokenizer, TokenizerError
+from tests.local_deployment import with_test_tokenizer
 
 TEXTS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(
     ["Hello 😀 你好 wörld", "🇫🇷🇯🇵 — ≈ ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "a\u0301e\u0301 e\u0308 ﬁ"])

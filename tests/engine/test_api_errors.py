@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from engine.api_server.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import LocalDeployment, with_test_tokenizer
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine.api_server.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import LocalDeployment, with_test_tokenizer
 
 KEY = "test-key"
 GREEDY = dict(model="tiny", temperature=0.0, extra_body={"ignore_eos": True})

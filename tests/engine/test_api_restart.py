@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from engine.api_server.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import LocalDeployment, with_test_tokenizer
 
 GREEDY = dict(model="tiny", prompt="Once upon a time", max_tokens=400, temperature=0.0,
               extra_body={"ignore_eos": True})

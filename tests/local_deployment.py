@@ -1,7 +1,8 @@
 """A whole serving tree on this machine without vsup: for tests and benchmarks of the API server.
 
 `LocalDeployment` starts API servers, engine cores and their workers with
-the argv the supervisor uses, and plays supervisor where a test needs it
+the argv the supervisor uses, every address from vsup/addresses.py (as the
+supervisor takes them), and plays supervisor where a test needs it
 (kill -9 of a core, a replacement). Each process writes its log to
 `<run_dir>/logs/<name>.log`, never to a pipe nobody drains.
 """
@@ -19,6 +20,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+
+from vsup import addresses
 
 TEST_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -104,7 +107,7 @@ class LocalDeployment:
         return f"http://127.0.0.1:{self.port}"
 
     def engine_address(self, a: int) -> str:
-        return f"ipc://{self.run_dir}/a{a}-engines.sock"
+        return addresses.api_server_engine_socket(str(self.run_dir), a)
 
     # starting
 
@@ -134,13 +137,14 @@ class LocalDeployment:
     def start_core(self, dp: int) -> None:
         """Start (or replace) DP rank `dp`'s engine core and its worker."""
         self.generation += 1
-        run = self.run_dir
+        run = str(self.run_dir)
         argv = ["-m", "engine.core", "--model", self.model_dir, "--dp-rank", str(dp),
                 "--data-parallel-size", str(self.data_parallel_size),
                 *[a for i in range(self.num_api_servers) for a in ("--api-server-address", self.engine_address(i))],
-                "--worker-address", f"ipc://{run}/dp{dp}-workers.sock",
-                "--control-address", f"ipc://{run}/dp{dp}-control.sock",
-                "--ring-prefix", f"vsup-test-{self.tag}-dp{dp}", "--wakeup-address", f"ipc://{run}/dp{dp}-wake.sock",
+                "--worker-address", addresses.core_worker_socket(run, dp),
+                "--control-address", addresses.core_control_socket(run, dp),
+                "--ring-prefix", addresses.ring_prefix(f"test-{self.tag}", dp),
+                "--wakeup-address", addresses.ring_wakeup_socket(run, dp),
                 "--block-size", str(self.block_size), "--max-num-batched-tokens", "256", *self.core_args]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
@@ -148,8 +152,8 @@ class LocalDeployment:
         self.spawn(f"worker-dp{dp}", [
             "-m", "engine.worker", "--model", self.model_dir, "--dp-rank", str(dp), "--tp-rank", "0",
             "--kv-cache-bytes", str(self.kv_cache_bytes), "--block-size", str(self.block_size),
-            "--core-address", f"ipc://{run}/dp{dp}-workers.sock",
-            "--dist-init-method", f"file://{run}/dist-dp{dp}-{self.generation}", "--num-threads", "1"])
+            "--core-address", addresses.core_worker_socket(run, dp),
+            "--dist-init-method", addresses.dist_init_method(run, dp, self.generation), "--num-threads", "1"])
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         """`python argv...` with its output in logs/<name>.log; replaces an earlier holder of the name."""
