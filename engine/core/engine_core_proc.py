@@ -29,7 +29,7 @@ from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.model.config import ModelConfig
 from engine.wire.decoder import Decoder
 from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused,
-                                  RequestUpdate, Stop, UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost,
+                                  RequestUpdate, Shutdown, UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost,
                                   control, encoder, from_waves, to_core)
 
 log = structlog.get_logger("engine-core")
@@ -254,7 +254,7 @@ class EngineCoreProc:
     def on_control(self) -> None:
         """Handle the supervisor's messages; WorkersLost abandons the step being waited on."""
         for msg in pending(self.control, control, "control"):
-            if isinstance(msg, Stop):
+            if isinstance(msg, Shutdown):
                 log.info("stopping")
                 raise SystemExit(0)
             if isinstance(msg, WorkersLost) and self.core is not None and self.core.executor is not None:
@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--api-server-address", action="append", default=[], help="an API server's engine socket")
     p.add_argument("--worker-address", required=True, help="where this core's workers connect")
-    p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Stop")
+    p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Shutdown")
     p.add_argument("--ring-prefix", required=True, help="/dev/shm name prefix of the step ring, unique per deployment")
     p.add_argument("--wakeup-address", required=True, help="the ring's wakeup socket")
     p.add_argument("--ring-remote-address", default=None,

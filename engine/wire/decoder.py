@@ -2,7 +2,7 @@
 
 msgspec raises RecursionError, not DecodeError, on msgpack nested deeper than
 Python's recursion limit, even in a field it would skip: a 1 KB message
-(`{"type": "stop", "x": [[[...]]]}`) would kill a receiver that drops only
+(`{"type": "shutdown", "x": [[[...]]]}`) would kill a receiver that drops only
 DecodeErrors, and stop an API server's receive task for good. Every decoder
 of protocol.py and worker_messages.py is one of these.
 """

@@ -158,11 +158,14 @@ class WorkersLost(msgspec.Struct, tag="workers_lost"):
     reason: str = ""
 
 
-class Stop(msgspec.Struct, tag="stop"):
-    """Finish: tell the workers to exit, then exit."""
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Exit, one word for every receiver. To an engine core (its control socket): tell the workers to
+    exit, then exit. To a worker, through the ring: the end of serving; on its socket: the answer to a
+    READY of a generation the core no longer forms (the worker exits 1 and its supervisor starts one
+    that joins the new one)."""
 
 
-ToControl = WorkersLost | Stop
+ToControl = WorkersLost | Shutdown
 control = Decoder(ToControl)
 
 

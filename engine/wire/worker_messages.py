@@ -18,6 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.wire.decoder import Decoder
+from engine.wire.protocol import Shutdown
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -69,11 +70,6 @@ class CacheReady(msgspec.Struct, tag="cache_ready"):
     num_blocks: int
     kv_cache_bytes: int
     epoch: str = ""
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    """Exit: through the ring, the end of serving; on the socket, the answer to a READY of a generation
-    the core no longer forms (the worker exits 1 and its supervisor starts one that joins the new one)."""
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):

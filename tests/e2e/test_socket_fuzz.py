@@ -17,7 +17,7 @@ One node, -dp 2 -tp 2 --dp-lockstep, every socket ipc:// in the run dir:
     coordinator-out.sock     coordinator          XSUB        nothing (PUB: only subscriptions)
     coordinator-waves.sock   coordinator          XSUB        nothing
     dpN-workers.sock         engine-core dpN      DEALER      what workers say, while it steps
-    dpN-control.sock         engine-core dpN      PUSH        the supervisor's WorkersLost, Stop
+    dpN-control.sock         engine-core dpN      PUSH        the supervisor's WorkersLost, Shutdown
     dpN-wakeup.sock          engine-core dpN      XSUB        nothing (the step ring's wakeups)
     control.sock             supervisor           unix        JSON lines (ps, stop, restart)
 
@@ -49,8 +49,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import cluster
-from engine.wire.protocol import (CoreLoad, Hello, Outputs, Ready, Stop, WaveReport, WorkersLost, control, from_core,
-                                  to_coordinator)
+from engine.wire.protocol import (CoreLoad, Hello, Outputs, Ready, Shutdown, WaveReport, WorkersLost, control,
+                                  from_core, to_coordinator)
 from engine.wire.worker_messages import CacheReady, WorkerReady, from_worker
 from tests.e2e.served import Served, complete
 from tests.e2e.test_multinode import free_port_block
@@ -66,7 +66,7 @@ READY = WorkerReady(name="worker dp0 pp0 tp0", pid=1, dp=0, pp=0, tp=0, device="
                     weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0)
 FROM_CORE = (from_core, [Hello(0, "i" * 32, 1), Ready(0, "i" * 32, 256, 8, 16), Outputs(0)])
 TO_COORDINATOR = (to_coordinator, [CoreLoad(0, 0, 0, 0), WaveReport(0, "e" * 12, 0, 0, False)])
-CONTROL = (control, [WorkersLost("x"), Stop()])
+CONTROL = (control, [WorkersLost("x"), Shutdown()])
 FROM_WORKER = (from_worker, [READY, CacheReady("worker dp0 pp0 tp0", 8, 64)])
 # what a PUB gets: subscriptions (a first byte of 1 or 0) and anything else, which it drops
 SUBSCRIPTIONS = st.lists(st.binary(max_size=64) | st.tuples(st.sampled_from([b"\x00", b"\x01"]), st.binary(

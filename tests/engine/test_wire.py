@@ -17,7 +17,7 @@ from tests.malformed import ANY, DEPTH, FUZZ, encode, misshapen, nested_too_deep
 DECODERS = {
     "to_core": (protocol.to_core, [protocol.AbortRequests(["r1"]), protocol.Refused("no")]),
     "from_core": (protocol.from_core, [protocol.Ready(0, "i", 256, 8, 16), protocol.Failed(0, "x")]),
-    "control": (protocol.control, [protocol.WorkersLost("x"), protocol.Stop()]),
+    "control": (protocol.control, [protocol.WorkersLost("x"), protocol.Shutdown()]),
     "coordinator_out": (protocol.coordinator_out, [protocol.LoadStats({0: [1, 2]}, 1.0)]),
     "to_coordinator": (protocol.to_coordinator,
                        [protocol.CoreLoad(0, 1, 2, 3), protocol.WaveReport(0, "e", 1, 2, True)]),
