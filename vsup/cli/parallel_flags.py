@@ -1,63 +1,61 @@
-"""The parallel flags that `plan` and `serve` share, written once and handed on as one object.
+"""The parallel flags that `plan` and `serve` share, written once and handed on as one ParallelConfig.
 
 `@parallel_flags` puts the flags into a command's signature where it has a
-`parallel: ParallelFlags` parameter (Typer reads `__signature__`), and calls
-the command with them gathered into that one ParallelFlags.
+`parallel: ParallelConfig` parameter (Typer reads `__signature__`), and calls
+the command with the ParallelConfig they make: checked, its device resolved.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from vsup.cli import options as o
+from vsup.topology import ParallelConfig
 
-
-@dataclass(frozen=True)
-class ParallelFlags:
-    """The shape of the deployment, and this node's part of it, as the command line gave them."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    api_server_count: int | None = None
-    dp_size_local: int | None = None
-    dp_start_rank: int | None = None
-    headless: bool = False
-    dp_address: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    device: str = "auto"
-    multiprocessing: bool = True
-
-
-OPTIONS = {  # each field's option, defined in options.py
-    "tensor_parallel_size": o.TensorParallelSize, "pipeline_parallel_size": o.PipelineParallelSize,
-    "data_parallel_size": o.DataParallelSize, "api_server_count": o.ApiServerCount, "dp_size_local": o.DpSizeLocal,
-    "dp_start_rank": o.DpStartRank, "headless": o.Headless, "dp_address": o.DpAddress, "nnodes": o.Nnodes,
-    "node_rank": o.NodeRank, "master_addr": o.MasterAddr, "master_port": o.MasterPort, "device": o.DeviceOpt,
-    "multiprocessing": o.Multiprocessing,
+OPTIONS = {  # each flag's parameter: its option in options.py, and the ParallelConfig field it sets
+    "tensor_parallel_size": (o.TensorParallelSize, "tensor_parallel_size"),
+    "pipeline_parallel_size": (o.PipelineParallelSize, "pipeline_parallel_size"),
+    "data_parallel_size": (o.DataParallelSize, "data_parallel_size"),
+    "api_server_count": (o.ApiServerCount, "api_server_count"),
+    "dp_size_local": (o.DpSizeLocal, "data_parallel_size_local"),
+    "dp_start_rank": (o.DpStartRank, "data_parallel_start_rank"),
+    "headless": (o.Headless, "headless"),
+    "dp_address": (o.DpAddress, "dp_address"),
+    "nnodes": (o.Nnodes, "nnodes"),
+    "node_rank": (o.NodeRank, "node_rank"),
+    "master_addr": (o.MasterAddr, "master_addr"),
+    "master_port": (o.MasterPort, "master_port"),
+    "device": (o.DeviceOpt, "device"),
+    "multiprocessing": (o.Multiprocessing, "multiprocessing"),
 }
-DEFAULTS = {"device": o.Device.auto}  # (the option's type is the enum)
+
+
+def parallel_config(values: dict) -> ParallelConfig:
+    """The ParallelConfig of these field values, its device resolved and checked on this node."""
+    from vsup.devices import check_devices, resolve_device
+
+    config = ParallelConfig(**{**values, "device": resolve_device(values["device"])})
+    check_devices(config.device, config.devices_per_node)
+    return config
 
 
 def parallel_flags(command):
     """Give `command` the parallel flags in place of its `parallel` parameter."""
+    defaults = {f.name: f.default for f in fields(ParallelConfig)} | {"device": o.Device.auto}
+    flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option, default=defaults[field])
+             for name, (option, field) in OPTIONS.items()]
     signature = inspect.signature(command, eval_str=True)
-    flags = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=OPTIONS[f.name],
-                               default=DEFAULTS.get(f.name, f.default)) for f in fields(ParallelFlags)]
     params = []  # all keyword-only, as Typer passes them
     for p in signature.parameters.values():
         params += flags if p.name == "parallel" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
 
     @functools.wraps(command)
     def with_flags(*args, **kwargs):
-        given = {name: kwargs.pop(name) for name in OPTIONS}
-        given["device"] = getattr(given["device"], "value", given["device"])
-        return command(*args, parallel=ParallelFlags(**given), **kwargs)
+        values = {field: kwargs.pop(name) for name, (_, field) in OPTIONS.items()}
+        values["device"] = getattr(values["device"], "value", values["device"])
+        return command(*args, parallel=parallel_config(values), **kwargs)
 
     with_flags.__signature__ = signature.replace(parameters=params)
     with_flags.__annotations__ = {p.name: p.annotation for p in params}

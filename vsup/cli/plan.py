@@ -7,7 +7,8 @@ import json
 import typer
 
 from vsup.cli import options as o
-from vsup.cli.parallel_flags import ParallelFlags, parallel_flags
+from vsup.cli.parallel_flags import parallel_flags
+from vsup.topology import ParallelConfig
 
 app = typer.Typer()
 
@@ -19,7 +20,7 @@ def plan(
     model: o.Model = None,
     config: o.Config = None,
     engine: o.EngineOpt = o.EngineKind.vsup,
-    parallel: ParallelFlags = ParallelFlags(),  # the parallel flags (parallel_flags.py)
+    parallel: ParallelConfig = ParallelConfig(),  # the parallel flags (parallel_flags.py)
     replicas: o.Replicas = 1,
     dtype: o.DTypeOpt = o.DType.auto,
     max_model_len: o.MaxModelLen = None,
@@ -32,12 +33,12 @@ def plan(
     Count = API servers + DP engine cores + DP x TP x PP workers (+ 1 coordinator when DP > 1).
     With --engine vllm: the tree a stock `vllm serve` builds, by vLLM's rules (its helpers counted apart).
     """
-    from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
+    from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.topology import plan as make_plan
 
     model, _ = split_engine_args(model, ctx.args, engine.value)
 
-    config = parallel_config(parallel)
+    config = parallel  # (checked, its device resolved)
     if replicas != 1 or engine == o.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
         from vsup.vllm.args import check_replicas
 

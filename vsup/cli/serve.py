@@ -8,8 +8,9 @@ import sys
 import typer
 
 from vsup.cli import options as o
-from vsup.cli.parallel_flags import ParallelFlags, parallel_flags
+from vsup.cli.parallel_flags import parallel_flags
 from vsup.errors import UsageError
+from vsup.topology import ParallelConfig
 
 app = typer.Typer()
 
@@ -22,7 +23,7 @@ def serve(
     config: o.Config = None,
     engine: o.EngineOpt = o.EngineKind.vsup,
     vllm_bin: o.VllmBin = None,
-    parallel: ParallelFlags = ParallelFlags(),  # the parallel flags (parallel_flags.py)
+    parallel: ParallelConfig = ParallelConfig(),  # the parallel flags (parallel_flags.py)
     replicas: o.Replicas = 1,
     cluster_secret: o.ClusterSecret = None,
     dp_lockstep: o.DpLockstep = False,
@@ -64,13 +65,13 @@ def serve(
     requests of a tree that died on the next one. With --replicas N, N such trees: the
     requests of one that died go on at once on another.
     """
-    from vsup.cli.sizing import model_memory, parallel_config, split_engine_args
+    from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.supervisor.restart_policy import RestartPolicy
     from vsup.topology import plan as make_plan
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
-    config = parallel_config(parallel)
+    config = parallel  # (checked, its device resolved)
     if (parallel.dp_address or config.master) and not cluster_secret:
         flag = "--dp-address" if parallel.dp_address else "--nnodes"
         raise UsageError(f"{flag} opens tcp ports to other nodes: give --cluster-secret (better: set "

@@ -1,25 +1,10 @@
-"""What `plan` and `serve` both work out from their flags: the parallel shape and the memory per worker."""
+"""What `plan` and `serve` both work out from their flags: the memory per worker, and MODEL apart from
+what follows `--`."""
 
 from __future__ import annotations
 
-from vsup.cli.parallel_flags import ParallelFlags
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
-
-
-def parallel_config(flags: ParallelFlags) -> ParallelConfig:
-    """Check the parallel flags and the devices they need on this node."""
-    from vsup.devices import check_devices, resolve_device
-
-    config = ParallelConfig(
-        tensor_parallel_size=flags.tensor_parallel_size, pipeline_parallel_size=flags.pipeline_parallel_size,
-        data_parallel_size=flags.data_parallel_size, api_server_count=flags.api_server_count,
-        data_parallel_size_local=flags.dp_size_local, data_parallel_start_rank=flags.dp_start_rank,
-        headless=flags.headless, dp_address=flags.dp_address, nnodes=flags.nnodes, node_rank=flags.node_rank,
-        master_addr=flags.master_addr, master_port=flags.master_port, device=resolve_device(flags.device),
-        multiprocessing=flags.multiprocessing)
-    check_devices(config.device, config.devices_per_node)
-    return config
 
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
