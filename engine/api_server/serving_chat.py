@@ -36,7 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     runners = serving.start(request_id, [prompt], [params], body.n, stop=stop_strings(body),
                             include_stop_str_in_output=body.include_stop_str_in_output,
                             skip_special_tokens=body.skip_special_tokens)
-    view = _View(request_id, model, serving.tokenizer, body)
+    view = ChatView(request_id, model, serving.tokenizer, body)
     try:
         if body.stream:
             first, deltas = await open_stream(request, runners)
@@ -72,7 +72,7 @@ def _message(m: ChatMessage) -> dict:
     return out
 
 
-class _View:
+class ChatView:
     """Shapes choices and chunks of one chat completion."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest):
@@ -102,7 +102,7 @@ class _View:
         return {"index": d.index, "delta": delta, "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
 
-async def _events(view: _View, first: ChoiceDelta, deltas, num_prompt_tokens: int):
+async def _events(view: ChatView, first: ChoiceDelta, deltas, num_prompt_tokens: int):
     num_tokens = 0
     started: set[int] = set()
     try:

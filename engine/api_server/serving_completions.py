@@ -32,7 +32,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
                             include_stop_str_in_output=body.include_stop_str_in_output,
                             skip_special_tokens=body.skip_special_tokens)
     echo = [prompt_texts[r.index // body.n] if body.echo else "" for r in runners]
-    view = _View(request_id, model, serving, body, echo)
+    view = CompletionView(request_id, model, serving, body, echo)
     num_prompt_tokens = sum(len(p) for p in prompts)
     try:
         if body.stream:
@@ -66,7 +66,7 @@ async def _tokenize(body: CompletionRequest, serving: Serving) -> tuple[list[lis
     return ids, texts
 
 
-class _View:
+class CompletionView:
     """Shapes choices and chunks of one completion."""
 
     def __init__(self, request_id: str, model: str, serving: Serving, body: CompletionRequest, echo: list[str]):
@@ -91,7 +91,7 @@ class _View:
         return out
 
 
-async def _events(view: _View, first: ChoiceDelta, deltas, num_prompt_tokens: int):
+async def _events(view: CompletionView, first: ChoiceDelta, deltas, num_prompt_tokens: int):
     num_tokens = 0
     try:
         delta = first
