@@ -7,7 +7,7 @@ of what it read, with errors a user can fix as UsageErrors.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from engine.model.config import ModelConfig
@@ -17,22 +17,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs to know of a Llama-family decoder."""
+class ModelShape(ModelConfig):
+    """What the planner needs to know of a Llama-family decoder: the engine's ModelConfig, and a name."""
 
-    name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # on q, k and v
-    o_proj_bias: bool
-    dtype: str
+    name: str = "model"
 
     @classmethod
     def from_config(cls, config: dict, name: str = "model", strict: bool = True) -> ModelShape:
@@ -44,11 +32,7 @@ class ModelShape:
             raise UsageError(f"MODEL: config.json lacks a usable {e} field; is this a Llama-family model?") from None
         except (TypeError, ValueError) as e:
             raise UsageError(f"MODEL: config.json: {e}") from None
-        return cls(name=name, num_layers=c.num_layers, hidden_size=c.hidden_size,
-                   intermediate_size=c.intermediate_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                   head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
-                   tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
-                   o_proj_bias=c.o_proj_bias, dtype=c.dtype)
+        return cls(**{f.name: getattr(c, f.name) for f in fields(ModelConfig)}, name=name)
 
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """Refuse TP that does not split the heads and the MLP evenly, or PP with more stages than layers."""
