@@ -35,7 +35,8 @@ from vllm_cpu import MODEL_NAME, detect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vsup.topology import ParallelConfig  # noqa: E402
-from vsup.vllm.args import ServeFlags, cpu_placement, serve_argv, serve_env  # noqa: E402
+from vsup.serve_flags import ServeFlags  # noqa: E402
+from vsup.vllm.args import cpu_placement, serve_argv, serve_env  # noqa: E402
 from vsup.vllm.help import PROJECT_VENV_BIN  # noqa: E402
 
 MAX_MODEL_LEN = 2048

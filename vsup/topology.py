@@ -307,63 +307,87 @@ def plan(config: ParallelConfig, *, python: str = "python", engine_args: tuple[s
     interpreter that runs the children, the flags (model, limits, ...) that
     every child receives, and where in the run dir each finds its peers.
     """
-    tp_size, pp_size, dp_size = (config.tensor_parallel_size, config.pipeline_parallel_size,
-                                 config.data_parallel_size)
-    common = ("--tensor-parallel-size", str(tp_size), "--pipeline-parallel-size", str(pp_size),
-              "--data-parallel-size", str(dp_size), *engine_args)
+    tree = _Tree(config, python, engine_args, run_dir, deployment)
+    if not config.multiprocessing:
+        return Plan(config, tree.in_process())
+    if config.nnodes > 1:
+        return Plan(config, tree.spanning_nodes())
+    return Plan(config, tree.data_parallel())
 
-    def spec(role: str, node: int, device: str | None, rank_args: tuple[str, ...], **ranks) -> ProcessSpec:
+
+@dataclass(frozen=True)
+class _Tree:
+    """How one deployment's processes are spelled: their names, argv and devices."""
+
+    config: ParallelConfig
+    python: str
+    engine_args: tuple[str, ...]
+    run_dir: str | None
+    deployment: str
+
+    # the three shapes
+
+    def in_process(self) -> tuple[ProcessSpec, ...]:
+        """--no-multiprocessing: the engine core runs inside the API server; with TP = PP = 1 the worker too."""
+        inside = self.config.workers_per_engine == 1
+        server = self.spec(API_SERVER, 0, self.device_of(0, 0, 0) if inside else None,
+                           ("--api-server-rank", "0", "--api-server-count", "1", "--no-multiprocessing"), a=0)
+        return (server, *(() if inside else self.workers(0, 0)))
+
+    def spanning_nodes(self) -> tuple[ProcessSpec, ...]:
+        """One TP x PP group across --nnodes nodes: node 0 has the API servers and the core."""
+        c = self.config
+        workers = [self.worker(0, pp, tp, (pp * c.tensor_parallel_size + tp) // c.workers_per_node)
+                   for pp in range(c.pipeline_parallel_size) for tp in range(c.tensor_parallel_size)]
+        if c.headless:
+            return tuple(w for w in workers if w.node == c.node_rank)
+        return (*self.api_servers(0), self.spec(ENGINE_CORE, 0, None, ("--dp-rank", "0"), dp=0), *workers)
+
+    def data_parallel(self) -> tuple[ProcessSpec, ...]:
+        """DP ranks of TP x PP workers each, this node's share of them (all on one node)."""
+        c = self.config
+        first = c.dp_start_rank
+        dp_ranks = range(first, c.data_parallel_size) if not c.headless else range(first, first + c.dp_size_local)
+        head = c.node_of(first)
+        cores = [self.spec(ENGINE_CORE, c.node_of(dp), None, ("--dp-rank", str(dp)), dp=dp) for dp in dp_ranks]
+        workers = [w for dp in dp_ranks for w in self.workers(dp, c.node_of(dp))]
+        coordinator = [self.spec(COORDINATOR, head, None, ())] if c.data_parallel_size > 1 and not c.headless else []
+        return (*self.api_servers(head), *cores, *workers, *coordinator)
+
+    # the parts
+
+    def api_servers(self, node: int) -> list[ProcessSpec]:
+        count = str(self.config.num_api_servers)
+        return [self.spec(API_SERVER, node, None, ("--api-server-rank", str(a), "--api-server-count", count), a=a)
+                for a in range(self.config.num_api_servers)]
+
+    def workers(self, dp: int, node: int) -> list[ProcessSpec]:
+        """The TP x PP worker group of DP rank `dp`."""
+        return [self.worker(dp, pp, tp, node)
+                for pp in range(self.config.pipeline_parallel_size) for tp in range(self.config.tensor_parallel_size)]
+
+    def worker(self, dp: int, pp: int, tp: int, node: int) -> ProcessSpec:
+        device = self.device_of(dp, pp, tp)
+        spanning = ("--node-rank", str(node)) if self.config.nnodes > 1 else ()
+        return self.spec(WORKER, node, device, ("--dp-rank", str(dp), "--pp-rank", str(pp), "--tp-rank", str(tp),
+                                                "--device", device, *spanning), dp=dp, pp=pp, tp=tp)
+
+    def device_of(self, dp: int, pp: int, tp: int) -> str:
+        c = self.config
+        if c.device == "cpu":
+            return "cpu"
+        if c.nnodes > 1:
+            return f"cuda:{(pp * c.tensor_parallel_size + tp) % c.workers_per_node}"
+        local_index = (dp - c.dp_start_rank) % c.dp_size_local
+        return f"cuda:{local_index * c.workers_per_engine + pp * c.tensor_parallel_size + tp}"
+
+    def spec(self, role: str, node: int, device: str | None, rank_args: tuple[str, ...], **ranks) -> ProcessSpec:
+        c = self.config
         name = process_name(role, **ranks)
         title = process_title(name)
-        meet = meeting_args(config, role, run_dir, deployment, **ranks) if run_dir is not None else ()
-        argv = (python, "-m", ENTRY_POINTS[role], *rank_args, *meet, *common)
+        meet = meeting_args(c, role, self.run_dir, self.deployment, **ranks) if self.run_dir is not None else ()
+        sizes = ("--tensor-parallel-size", str(c.tensor_parallel_size), "--pipeline-parallel-size",
+                 str(c.pipeline_parallel_size), "--data-parallel-size", str(c.data_parallel_size))
+        argv = (self.python, "-m", ENTRY_POINTS[role], *rank_args, *meet, *sizes, *self.engine_args)
         env = {"VSUP_PROCESS_NAME": name, "VSUP_PROCESS_TITLE": title}
-        return ProcessSpec(role=role, name=name, title=title, node=node, device=device,
-                           argv=argv, env=env, **ranks)
-
-    def device_of(dp: int, pp: int, tp: int) -> str:
-        if config.device == "cpu":
-            return "cpu"
-        if config.nnodes > 1:
-            return f"cuda:{(pp * tp_size + tp) % config.workers_per_node}"
-        local_index = (dp - config.dp_start_rank) % config.dp_size_local
-        return f"cuda:{local_index * config.workers_per_engine + pp * tp_size + tp}"
-
-    def worker(dp: int, pp: int, tp: int, node: int) -> ProcessSpec:
-        spanning = ("--node-rank", str(node)) if config.nnodes > 1 else ()
-        return spec(WORKER, node, device_of(dp, pp, tp),
-                    ("--dp-rank", str(dp), "--pp-rank", str(pp), "--tp-rank", str(tp),
-                     "--device", device_of(dp, pp, tp), *spanning), dp=dp, pp=pp, tp=tp)
-
-    if not config.multiprocessing:
-        # the engine core runs inside the API server; with TP = PP = 1 the worker too
-        inside = config.workers_per_engine == 1
-        processes = [spec(API_SERVER, 0, device_of(0, 0, 0) if inside else None,
-                          ("--api-server-rank", "0", "--api-server-count", "1", "--no-multiprocessing"), a=0)]
-        if not inside:
-            processes += [worker(0, pp, tp, 0) for pp in range(pp_size) for tp in range(tp_size)]
-        return Plan(config, tuple(processes))
-
-    if config.nnodes > 1:  # one group across nodes: node 0 has the API servers and the core
-        workers = [worker(0, pp, tp, (pp * tp_size + tp) // config.workers_per_node)
-                   for pp in range(pp_size) for tp in range(tp_size)]
-        if config.headless:
-            return Plan(config, tuple(w for w in workers if w.node == config.node_rank))
-        processes = [spec(API_SERVER, 0, None, ("--api-server-rank", str(a), "--api-server-count",
-                                                str(config.num_api_servers)), a=a)
-                     for a in range(config.num_api_servers)]
-        return Plan(config, (*processes, spec(ENGINE_CORE, 0, None, ("--dp-rank", "0"), dp=0), *workers))
-
-    first = config.dp_start_rank
-    dp_ranks = range(first, dp_size) if not config.headless else range(first, first + config.dp_size_local)
-    head = config.node_of(first)
-    processes = [spec(API_SERVER, head, None,
-                      ("--api-server-rank", str(a), "--api-server-count", str(config.num_api_servers)), a=a)
-                 for a in range(config.num_api_servers)]
-    processes += [spec(ENGINE_CORE, config.node_of(dp), None, ("--dp-rank", str(dp)), dp=dp)
-                  for dp in dp_ranks]
-    processes += [worker(dp, pp, tp, config.node_of(dp))
-                  for dp in dp_ranks for pp in range(pp_size) for tp in range(tp_size)]
-    if dp_size > 1 and not config.headless:
-        processes.append(spec(COORDINATOR, head, None, ()))
-    return Plan(config, tuple(processes))
+        return ProcessSpec(role=role, name=name, title=title, node=node, device=device, argv=argv, env=env, **ranks)

@@ -12,8 +12,8 @@ import pytest
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 from vsup.front.metrics import merge_replicas
-from vsup.vllm.args import (GIB, ServeFlags, check_replicas, cpu_kv_cache_gib, cpu_placement, serve_argv,
-                            serve_env, unknown_flags)
+from vsup.serve_flags import ServeFlags
+from vsup.vllm.args import GIB, check_replicas, cpu_kv_cache_gib, cpu_placement, serve_argv, serve_env, unknown_flags
 from vsup.vllm.help import parse_flags
 from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
 from vsup.vllm.plan import tree_roots, vllm_plan

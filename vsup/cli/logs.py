@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from vsup.cli import options as o
+from vsup.cli import options
 from vsup.errors import UsageError
 
 app = typer.Typer()
@@ -15,17 +15,17 @@ app = typer.Typer()
 
 @app.command()
 def logs(
-    name: o.Name = "default",
-    role: o.Role = None,
-    dp: o.DpRank = None,
-    pp: o.PpRank = None,
-    tp: o.TpRank = None,
-    replica: o.ReplicaIndex = None,
-    level: o.Level = None,
-    since: o.Since = None,
-    lines: o.Lines = None,
-    follow: o.Follow = False,
-    as_json: o.Json = False,
+    name: options.Name = "default",
+    role: options.Role = None,
+    dp: options.DpRank = None,
+    pp: options.PpRank = None,
+    tp: options.TpRank = None,
+    replica: options.ReplicaIndex = None,
+    level: options.Level = None,
+    since: options.Since = None,
+    lines: options.Lines = None,
+    follow: options.Follow = False,
+    as_json: options.Json = False,
 ) -> None:
     """Print the deployment's log (logs/vsup.jsonl in its run dir), every line tagged with who wrote it."""
     from vsup.log_query import make_filter, parse_since, read_records, tail

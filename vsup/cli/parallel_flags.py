@@ -11,24 +11,24 @@ import functools
 import inspect
 from dataclasses import fields
 
-from vsup.cli import options as o
+from vsup.cli import options
 from vsup.topology import ParallelConfig
 
 OPTIONS = {  # each flag's parameter: its option in options.py, and the ParallelConfig field it sets
-    "tensor_parallel_size": (o.TensorParallelSize, "tensor_parallel_size"),
-    "pipeline_parallel_size": (o.PipelineParallelSize, "pipeline_parallel_size"),
-    "data_parallel_size": (o.DataParallelSize, "data_parallel_size"),
-    "api_server_count": (o.ApiServerCount, "api_server_count"),
-    "dp_size_local": (o.DpSizeLocal, "data_parallel_size_local"),
-    "dp_start_rank": (o.DpStartRank, "data_parallel_start_rank"),
-    "headless": (o.Headless, "headless"),
-    "dp_address": (o.DpAddress, "dp_address"),
-    "nnodes": (o.Nnodes, "nnodes"),
-    "node_rank": (o.NodeRank, "node_rank"),
-    "master_addr": (o.MasterAddr, "master_addr"),
-    "master_port": (o.MasterPort, "master_port"),
-    "device": (o.DeviceOpt, "device"),
-    "multiprocessing": (o.Multiprocessing, "multiprocessing"),
+    "tensor_parallel_size": (options.TensorParallelSize, "tensor_parallel_size"),
+    "pipeline_parallel_size": (options.PipelineParallelSize, "pipeline_parallel_size"),
+    "data_parallel_size": (options.DataParallelSize, "data_parallel_size"),
+    "api_server_count": (options.ApiServerCount, "api_server_count"),
+    "dp_size_local": (options.DpSizeLocal, "data_parallel_size_local"),
+    "dp_start_rank": (options.DpStartRank, "data_parallel_start_rank"),
+    "headless": (options.Headless, "headless"),
+    "dp_address": (options.DpAddress, "dp_address"),
+    "nnodes": (options.Nnodes, "nnodes"),
+    "node_rank": (options.NodeRank, "node_rank"),
+    "master_addr": (options.MasterAddr, "master_addr"),
+    "master_port": (options.MasterPort, "master_port"),
+    "device": (options.DeviceOpt, "device"),
+    "multiprocessing": (options.Multiprocessing, "multiprocessing"),
 }
 
 
@@ -43,7 +43,7 @@ def parallel_config(values: dict) -> ParallelConfig:
 
 def parallel_flags(command):
     """Give `command` the parallel flags in place of its `parallel` parameter."""
-    defaults = {f.name: f.default for f in fields(ParallelConfig)} | {"device": o.Device.auto}
+    defaults = {f.name: f.default for f in fields(ParallelConfig)} | {"device": options.Device.auto}
     flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option, default=defaults[field])
              for name, (option, field) in OPTIONS.items()]
     signature = inspect.signature(command, eval_str=True)

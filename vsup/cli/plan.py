@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from vsup.cli import options as o
+from vsup.cli import options
 from vsup.cli.parallel_flags import parallel_flags
 from vsup.topology import ParallelConfig
 
@@ -17,16 +17,16 @@ app = typer.Typer()
 @parallel_flags
 def plan(
     ctx: typer.Context,
-    model: o.Model = None,
-    config: o.Config = None,
-    engine: o.EngineOpt = o.EngineKind.vsup,
+    model: options.Model = None,
+    config: options.Config = None,
+    engine: options.EngineOpt = options.EngineKind.vsup,
     parallel: ParallelConfig = ParallelConfig(),  # the parallel flags (parallel_flags.py)
-    replicas: o.Replicas = 1,
-    dtype: o.DTypeOpt = o.DType.auto,
-    max_model_len: o.MaxModelLen = None,
-    kv_cache_memory: o.KvCacheMemory = None,
-    gpu_memory_utilization: o.GpuMemoryUtilization = 0.9,
-    as_json: o.Json = False,
+    replicas: options.Replicas = 1,
+    dtype: options.DTypeOpt = options.DType.auto,
+    max_model_len: options.MaxModelLen = None,
+    kv_cache_memory: options.KvCacheMemory = None,
+    gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
+    as_json: options.Json = False,
 ) -> None:
     """Predict the process tree and its count before launch: the same list `vsup serve` starts.
 
@@ -39,11 +39,11 @@ def plan(
     model, _ = split_engine_args(model, ctx.args, engine.value)
 
     config = parallel  # (checked, its device resolved)
-    if replicas != 1 or engine == o.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
+    if replicas != 1 or engine == options.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
         from vsup.vllm.args import check_replicas
 
-        check_replicas(engine == o.EngineKind.vllm, replicas)
-    if engine == o.EngineKind.vllm:
+        check_replicas(engine == options.EngineKind.vllm, replicas)
+    if engine == options.EngineKind.vllm:
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan
 

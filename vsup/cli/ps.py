@@ -8,14 +8,14 @@ import time
 
 import typer
 
-from vsup.cli import options as o
+from vsup.cli import options
 
 app = typer.Typer()
 
 
 @app.command()
-def ps(name: o.Name = "default", replica: o.ReplicaIndex = None, as_json: o.Json = False, watch: o.Watch = False,
-       interval: o.Interval = 2.0) -> None:
+def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_json: options.Json = False, watch: options.Watch = False,
+       interval: options.Interval = 2.0) -> None:
     """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
 
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process

@@ -6,13 +6,13 @@ import time
 
 import typer
 
-from vsup.cli import options as o
+from vsup.cli import options
 from vsup.errors import UsageError
 
 app = typer.Typer()
 
 @app.command()
-def stop(name: o.Name = "default", timeout: o.StopWait = 120.0) -> None:
+def stop(name: options.Name = "default", timeout: options.StopWait = 120.0) -> None:
     """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
@@ -43,8 +43,8 @@ def supervisor_alive(pid: int | None) -> bool:
 
 
 @app.command()
-def restart(role: o.Role = None, dp: o.DpRank = None, replica: o.ReplicaIndex = None, rolling: o.Rolling = False,
-            name: o.Name = "default") -> None:
+def restart(role: options.Role = None, dp: options.DpRank = None, replica: options.ReplicaIndex = None, rolling: options.Rolling = False,
+            name: options.Name = "default") -> None:
     """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group).
 
     With --engine vllm a unit is a whole vLLM tree (of --replica); --rolling restarts every replica in turn,

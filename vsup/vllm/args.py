@@ -9,10 +9,10 @@ in whole GiB, as VLLM_CPU_KVCACHE_SPACE), `--drain-timeout` is vLLM's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from vsup.errors import UsageError
 from vsup.memory import DEFAULT_CPU_KV_CACHE_BYTES
+from vsup.serve_flags import ServeFlags
 from vsup.topology import ParallelConfig
 
 GIB = 2**30
@@ -39,24 +39,6 @@ def check_replicas(vllm: bool, replicas: int) -> None:
     if replicas > 1 and not vllm:
         raise UsageError("--replicas is for --engine vllm; vsup's own engine keeps its requests across a death "
                          "without replicas (for more of it, give -dp)")
-
-
-@dataclass(frozen=True)
-class ServeFlags:
-    """The vsup flags that map to vLLM's."""
-
-    model: str
-    served_model_name: str
-    host: str
-    port: int
-    dtype: str
-    max_num_seqs: int
-    seed: int
-    drain_timeout: float
-    gpu_memory_utilization: float
-    max_model_len: int | None = None
-    kv_cache_bytes: int | None = None
-    uds: str | None = None  # a Unix socket to serve on instead of host and port (behind vsup's front)
 
 
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from vsup import addresses
 from vsup.errors import UsageError
 from vsup.topology import WORKER, ParallelConfig, Plan
-from vsup.vllm.args import ServeFlags, cpu_placement, serve_argv, serve_env, unknown_flags
+from vsup.serve_flags import ServeFlags
+from vsup.vllm.args import cpu_placement, serve_argv, serve_env, unknown_flags
 from vsup.vllm.help import find_vllm, serve_flags
 from vsup.vllm.plan import vllm_plan
 

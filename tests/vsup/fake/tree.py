@@ -5,6 +5,7 @@ import sys
 
 from vsup.cli.serve import supervise
 from vsup.rundir import RunDir
+from vsup.supervisor.manager import Options
 from vsup.supervisor.restart_policy import RestartPolicy
 from vsup.topology import ParallelConfig, plan
 
@@ -22,9 +23,10 @@ if __name__ == "__main__":
     run_dir = RunDir(name)
     run_dir.create()
     run_dir.lock()
-    code, message = supervise(fake_plan(tp, dp), run_dir, "/models/fake", "http://127.0.0.1:1",
-                              RestartPolicy("on-failure", max_restarts=max_restarts), "text", {},
-                              drain_timeout=5, stop_timeout=5, startup_timeout=60)
+    options = Options(model="fake", url="http://127.0.0.1:1",
+                      restart_policy=RestartPolicy("on-failure", max_restarts=max_restarts),
+                      startup_timeout=60, drain_timeout=5, stop_timeout=5)
+    code, message = supervise(fake_plan(tp, dp), run_dir, options, "text")
     if code:
         print(f"vsup serve: {message}", file=sys.stderr)
     sys.exit(code)
