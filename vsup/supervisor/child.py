@@ -9,6 +9,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from vsup.supervisor.states import ProcessState
+from vsup.supervisor.units import UnitId
 from vsup.topology import ProcessSpec
 
 
@@ -25,8 +27,8 @@ def describe_exit(returncode: int) -> str:
 @dataclass
 class Child:
     spec: ProcessSpec
-    unit: str
-    state: str = "pending"  # pending, starting, ready, exited, backoff, failed, stopping, stopped
+    unit: UnitId
+    state: ProcessState = ProcessState.PENDING
     popen: subprocess.Popen | None = None
     pidfd: int | None = None
     started_at: float | None = None  # wall clock, for uptime
@@ -55,7 +57,7 @@ class Child:
             os.close(out_w)
             os.close(err_w)
         self.pidfd = os.pidfd_open(self.popen.pid)
-        self.state, self.started_at = "starting", time.time()
+        self.state, self.started_at = ProcessState.STARTING, time.time()
         return out_r, err_r
 
     def reap(self) -> int:
@@ -77,6 +79,6 @@ class Child:
     def to_json(self) -> dict:
         s = self.spec
         return {"name": s.name, "role": s.role, "a": s.a, "dp": s.dp, "pp": s.pp, "tp": s.tp, "node": s.node,
-                "device": s.device, "title": s.title, "unit": self.unit, "pid": self.pid if self.alive else None,
+                "device": s.device, "title": s.title, "unit": str(self.unit), "pid": self.pid if self.alive else None,
                 "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
                 "started_at": self.started_at}

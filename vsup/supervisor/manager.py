@@ -20,6 +20,7 @@ from vsup.supervisor.control import ControlServer
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
 from vsup.supervisor.restart_policy import RestartPolicy, RestartState
+from vsup.supervisor.states import DeploymentState, ProcessState, UnitState
 from vsup.topology import API_SERVER, COORDINATOR, ENGINE_CORE, WORKER, Plan
 
 
@@ -35,10 +36,12 @@ class Options:
 
 
 class Unit:
-    def __init__(self, name: str, children: list[Child], policy: RestartPolicy):
-        self.name, self.children = name, children
+    """A restart unit as the supervisor runs it: its processes and restart history."""
+
+    def __init__(self, id: units.UnitId, children: list[Child], policy: RestartPolicy):
+        self.id, self.children = id, children
         self.restart = RestartState(policy)
-        self.state = "running"  # running, backoff, failed
+        self.state = UnitState.RUNNING
         self.restart_at: float | None = None
         self.started_at = time.monotonic()
         self.requested = False
@@ -52,10 +55,10 @@ class Supervisor:
         self.node = plan.nodes()[0]
         specs = list(plan.on_node(self.node))
         self.children = [Child(spec, units.unit_of(spec)) for spec in specs]
-        self.units = {name: Unit(name, [c for c in self.children if c.spec in units.members(name, specs)],
-                                 options.restart_policy) for name in units.units(specs)}
+        self.units = {id: Unit(id, [c for c in self.children if c.spec in units.members(id, specs)],
+                               options.restart_policy) for id in units.units(specs)}
         self.generation: dict[int, int] = {}
-        self.state = "starting"
+        self.state = DeploymentState.STARTING
         self.exit_code = 0
         self.message: str | None = None
         self.started_at = time.time()
@@ -89,18 +92,18 @@ class Supervisor:
         deadline = time.monotonic() + self.options.startup_timeout
         while not self.stopping:
             self.tick(timeout=self.next_timer())
-            if self.state == "starting" and time.monotonic() > deadline:
-                late = ", ".join(c.spec.name for c in self.children if c.state != "ready")
+            if self.state == DeploymentState.STARTING and time.monotonic() > deadline:
+                late = ", ".join(c.spec.name for c in self.children if c.state != ProcessState.READY)
                 self.fail(f"startup timeout: not ready after {self.options.startup_timeout:g} s: {late}")
         self.shutdown()
         return self.exit_code
 
     @property
     def stopping(self) -> bool:
-        return self.state in ("stopping", "stopped", "failed")
+        return self.state in (DeploymentState.STOPPING, DeploymentState.STOPPED, DeploymentState.FAILED)
 
     def next_timer(self) -> float:
-        waits = [u.restart_at - time.monotonic() for u in self.units.values() if u.state == "backoff"]
+        waits = [u.restart_at - time.monotonic() for u in self.units.values() if u.state == UnitState.BACKOFF]
         return max(0.0, min([1.0, *waits]))
 
     def tick(self, timeout: float | None) -> None:
@@ -115,7 +118,7 @@ class Supervisor:
             self.on_ready(self.ready_events.popleft())
         now = time.monotonic()
         for unit in self.units.values():
-            if unit.state == "backoff" and now >= unit.restart_at and not self.stopping:
+            if unit.state == UnitState.BACKOFF and now >= unit.restart_at and not self.stopping:
                 self.restart(unit)
 
     # starting
@@ -152,12 +155,12 @@ class Supervisor:
 
     def on_ready(self, name: str) -> None:
         child = next((c for c in self.children if c.spec.name == name and c.alive), None)
-        if child is None or child.state == "ready":
+        if child is None or child.state == ProcessState.READY:
             return
-        child.state = "ready"
+        child.state = ProcessState.READY
         self.log("ready", process=name, pid=child.pid, seconds=round(time.time() - child.started_at, 1))
-        if self.state == "starting" and all(c.state == "ready" for c in self.children):
-            self.state = "serving"
+        if self.state == DeploymentState.STARTING and all(c.state == ProcessState.READY for c in self.children):
+            self.state = DeploymentState.SERVING
             self.log(f"serving {self.options.model} on {self.options.url}")
             notify.sd_notify("READY=1")
         self.save()
@@ -175,12 +178,12 @@ class Supervisor:
         code = child.reap()
         unit = self.units[child.unit]
         if self.stopping:
-            child.state = "stopped"
+            child.state = ProcessState.STOPPED
             self.log("process stopped", process=child.spec.name, pid=child.pid, exit=child.last_exit)
             self.save()
             return
-        child.state = "exited"
-        if any(u.state != "running" for u in self.units.values() if child in u.children):
+        child.state = ProcessState.EXITED
+        if any(u.state != UnitState.RUNNING for u in self.units.values() if child in u.children):
             self.save()
             return  # we ended it ourselves, as part of restarting or failing its unit
         self.log("process exited", "warning" if unit.requested else "error", process=child.spec.name,
@@ -198,17 +201,17 @@ class Supervisor:
             policy = unit.restart.policy
             self.fail_unit(unit, child, f"{policy.max_restarts} restarts within {policy.window_s:g} s")
             return
-        unit.state, unit.restart_at = "backoff", time.monotonic() + delay
+        unit.state, unit.restart_at = UnitState.BACKOFF, time.monotonic() + delay
         for c in unit.children:
-            c.state = "backoff"
-        self.log("restarting", process=unit.name, delay_s=delay)
+            c.state = ProcessState.BACKOFF
+        self.log("restarting", process=str(unit.id), delay_s=delay)
         self.save()
 
     def restart(self, unit: Unit) -> None:
         if any(c.alive for c in unit.children):
             unit.restart_at = time.monotonic() + 0.1  # the killed members have not exited yet
             return
-        unit.state, unit.started_at = "running", time.monotonic()
+        unit.state, unit.started_at = UnitState.RUNNING, time.monotonic()
         for child in unit.children:
             child.restarts += 1
         self.start(unit.children)
@@ -218,39 +221,39 @@ class Supervisor:
         """`vsup restart`: the same path as a crash, for every unit of `role` (and DP rank). (Replicas
         and rolling restarts are vLLM's: `vsup restart` refuses them here.)"""
         victims = [c for c in self.children if c.spec.role == role and (dp is None or c.spec.dp == dp) and c.alive]
-        chosen = {c.unit for c in victims if self.units[c.unit].state == "running"}
+        chosen = {c.unit for c in victims if self.units[c.unit].state == UnitState.RUNNING}
         for child in victims:
             if child.unit in chosen:
                 self.units[child.unit].requested = True
                 child.signal(signal.SIGKILL)
-        return sorted(chosen)
+        return sorted(map(str, chosen))
 
     def fail_unit(self, unit: Unit, child: Child, why: str) -> None:
         tail = list(self.router.last_stderr.get(child.spec.name, []))[-10:]
-        unit.state = "failed"
+        unit.state = UnitState.FAILED
         for c in unit.children:
-            c.state = "failed"
+            c.state = ProcessState.FAILED
             c.signal(signal.SIGKILL)
-        failed = {u.name for u in self.units.values() if u.state == "failed"}
-        if unit.name.startswith("worker-group dp"):  # a core without workers cannot serve either
-            failed.add(f"{ENGINE_CORE} dp{child.spec.dp}")
-        self.log("unit failed", "error", unit=unit.name, why=why, last_stderr=tail)
+        failed = {u.id for u in self.units.values() if u.state == UnitState.FAILED}
+        if unit.id.kind == units.UnitKind.WORKER_GROUP:  # a core without workers cannot serve either
+            failed.add(units.UnitId.engine_core(unit.id.dp))
+        self.log("unit failed", "error", unit=str(unit.id), why=why, last_stderr=tail)
         self.save()
         if not units.can_serve([c.spec for c in self.children], failed):
             quoted = "\n".join(f"    {line}" for line in tail) or "    (no stderr output)"
-            self.fail(f"nothing left to serve: {unit.name} failed ({why}); last stderr of {child.spec.name}:\n{quoted}")
+            self.fail(f"nothing left to serve: {unit.id} failed ({why}); last stderr of {child.spec.name}:\n{quoted}")
 
     # stopping
 
     def request_stop(self, reason: str) -> None:
         if not self.stopping:
             self.message = reason
-            self.state = "stopping"
+            self.state = DeploymentState.STOPPING
             self.log("stopping", reason=reason)
 
     def fail(self, message: str) -> None:
         self.log(message, "error")
-        self.message, self.exit_code, self.state = message, 1, "failed"
+        self.message, self.exit_code, self.state = message, 1, DeploymentState.FAILED
 
     def shutdown(self) -> None:
         """Drain and stop in order: API servers, coordinator, engine cores, workers; SIGKILL stragglers."""
@@ -264,7 +267,7 @@ class Supervisor:
         for role, timeout in order:
             group = [c for c in self.children if c.spec.role == role and c.alive]
             for child in group:
-                child.state = "stopping"
+                child.state = ProcessState.STOPPING
                 child.signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             while any(c.alive for c in group) and time.monotonic() < deadline:
@@ -276,13 +279,13 @@ class Supervisor:
             self.tick(timeout=0.1)
         if killed:
             self.log("killed with SIGKILL after --stop-timeout", "warning", processes=killed)
-            if self.exit_code == 0 and self.state == "stopping":  # (systemd counts it a failed stop)
+            if self.exit_code == 0 and self.state == DeploymentState.STOPPING:  # (systemd counts it a failed stop)
                 self.exit_code = 1
                 self.message = f"stop needed SIGKILL for {', '.join(killed)} (--stop-timeout " \
                                f"{self.options.stop_timeout:g} s)"
         self.cleanup()
-        if self.state == "stopping":
-            self.state = "stopped"
+        if self.state == DeploymentState.STOPPING:
+            self.state = DeploymentState.STOPPED
         self.save()
 
     def cleanup(self) -> None:
@@ -303,7 +306,7 @@ class Supervisor:
         return {"supervisor": {"pid": os.getpid(), "name": self.run_dir.name, "engine": "vsup", "model": self.options.model,
                                "url": self.options.url, "state": self.state, "started_at": self.started_at,
                                "message": self.message, "formula": self.plan.formula},
-                "units": {u.name: {"state": u.state, "restarts": u.restart.total} for u in self.units.values()},
+                "units": {str(u.id): {"state": u.state, "restarts": u.restart.total} for u in self.units.values()},
                 "processes": [c.to_json() for c in self.children],
                 "remote": [p.to_json() for p in self.plan.processes if p.node != self.node]}
 

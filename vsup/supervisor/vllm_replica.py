@@ -16,18 +16,13 @@ from pathlib import Path
 from vsup import procfs
 from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.manager import Unit
+from vsup.supervisor.states import TreeState
 from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
 from vsup.vllm import names
 from vsup.vllm.plan import RESOURCE_TRACKER, helper_name
 from vsup.vllm.progress import Progress
 
-UNIT = "vllm"
 BY_SIGTERM = describe_exit(-signal.SIGTERM)
-
-
-def unit_name(r: int | None) -> str:
-    """The restart unit of replica `r`: `vllm`, or `vllm r1` when there are several."""
-    return UNIT if r is None else f"{UNIT} r{r}"
 
 
 @dataclass
@@ -58,7 +53,7 @@ class Tree:
     plan: Plan
     procs: dict[int, Observed] = field(default_factory=dict)
     gen: int = 0  # the tree's number among every tree started (the front resumes on another one)
-    state: str = "starting"  # starting, serving, restarting, failed
+    state: TreeState = TreeState.STARTING
     progress: Progress | None = None
     started_at: float = field(default_factory=time.monotonic)
     cause: str | None = None  # why it is being ended
@@ -70,7 +65,7 @@ class Tree:
     @property
     def up(self) -> bool:
         """Whether the front may send it requests."""
-        return self.state == "serving" and self.cause is None and self.first_death is None and \
+        return self.state == TreeState.SERVING and self.cause is None and self.first_death is None and \
             self.draining_until is None
 
     @property

@@ -41,7 +41,9 @@ from vsup.supervisor.child import Child, describe_exit
 from vsup.supervisor.control import listen_unix
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
-from vsup.supervisor.vllm_replica import Observed, Tree, unit_name
+from vsup.supervisor.states import DeploymentState, ProcessState, TreeState, UnitState
+from vsup.supervisor.units import UnitId
+from vsup.supervisor.vllm_replica import Observed, Tree
 from vsup.topology import FRONT, Plan
 from vsup.vllm import names
 from vsup.vllm.plan import tree_roots
@@ -49,6 +51,7 @@ from vsup.vllm.progress import Progress, parse_metrics
 
 PR_SET_CHILD_SUBREAPER = 36
 ATTRIBUTION_DELAY_S = 0.3
+FRONT_UNIT = UnitId.alone(FRONT)  # the front restarts alone
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm", "hook")
 
 
@@ -64,18 +67,18 @@ class VllmSupervisor(Supervisor):
     def __init__(self, plan: Plan, run_dir, options: Options, router, vllm: VllmOptions):
         super().__init__(plan, run_dir, options, router)
         self.vllm = vllm
-        self.front = Child(next(p for p in plan.processes if p.role == FRONT), FRONT)
+        self.front = Child(next(p for p in plan.processes if p.role == FRONT), FRONT_UNIT)
         roots = tree_roots(plan)
         self.trees: list[Tree] = []
         for spec in roots:
-            root = Child(spec, unit_name(spec.r))
+            root = Child(spec, UnitId.vllm_tree(spec.r))
             tree_dir = Path(addresses.replica_dir(str(run_dir.path), spec.r))
             tree_dir.mkdir(mode=0o700, exist_ok=True)
             self.trees.append(Tree(spec.r, root, Unit(root.unit, [root], options.restart_policy),
                                    addresses.vllm_socket(str(run_dir.path), spec.r), tree_dir, plan))
         self.children = [self.front, *(t.root for t in self.trees)]
-        self.units = {FRONT: Unit(FRONT, [self.front], options.restart_policy),
-                      **{t.unit.name: t.unit for t in self.trees}}
+        self.units = {FRONT_UNIT: Unit(FRONT_UNIT, [self.front], options.restart_policy),
+                      **{t.unit.id: t.unit for t in self.trees}}
         self.gens = itertools.count(1)  # every tree started gets the next: the front resumes on another one
         self.front_w: int | None = None
         self.tree_of: dict[int, Tree] = {}  # pid -> its tree (written on the router's thread too)
@@ -160,9 +163,9 @@ class VllmSupervisor(Supervisor):
             self.tick(timeout=self.next_timer())
             now = time.monotonic()
             for tree in self.trees:
-                if tree.unit.state != "running" or tree.cause is not None or tree.first_death is not None:
+                if tree.unit.state != UnitState.RUNNING or tree.cause is not None or tree.first_death is not None:
                     continue
-                if tree.state != "serving" and now - tree.started_at > self.options.startup_timeout:
+                if tree.state != TreeState.SERVING and now - tree.started_at > self.options.startup_timeout:
                     self.end_tree(tree, f"startup timeout: /health not 200 after {self.options.startup_timeout:g} s",
                                   tree.root)
                 elif tree.draining_until is not None and now > tree.draining_until:
@@ -205,7 +208,7 @@ class VllmSupervisor(Supervisor):
         self.router.add(err, "stderr", tag)
         self.selector.register(root.pidfd, selectors.EVENT_READ, root)
         tree.started_at, tree.gen = time.monotonic(), next(self.gens)
-        tree.progress, tree.cause, tree.procs, tree.state, tree.draining_until = None, None, {}, "starting", None
+        tree.progress, tree.cause, tree.procs, tree.state, tree.draining_until = None, None, {}, TreeState.STARTING, None
         self.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
         self._overall()
         self.tell_front()
@@ -216,7 +219,8 @@ class VllmSupervisor(Supervisor):
         if self.stopping:
             return
         states = {t.state for t in self.trees}
-        self.state = "serving" if "serving" in states else "restarting" if "restarting" in states else "starting"
+        self.state = DeploymentState.SERVING if TreeState.SERVING in states else \
+            DeploymentState.RESTARTING if TreeState.RESTARTING in states else DeploymentState.STARTING
 
     # the front
 
@@ -256,9 +260,9 @@ class VllmSupervisor(Supervisor):
         os.close(self.front_w)
         self.front_w = None
         if self.stopping:
-            self.front.state = "stopped"
+            self.front.state = ProcessState.STOPPED
             return
-        unit = self.units[FRONT]
+        unit = self.units[FRONT_UNIT]
         self.log("process exited", "error", process=FRONT, pid=self.front.pid, exit=self.front.last_exit)
         delay = unit.restart.next_delay(time.monotonic(), unit.started_at) \
             if unit.restart.wants_restart(1, unit.requested) else None
@@ -267,7 +271,7 @@ class VllmSupervisor(Supervisor):
             self.fail(f"{FRONT} {self.front.last_exit}: nothing holds --port any more; "
                       f"{self._last_words(FRONT).removeprefix('; ') or 'no error lines'}")
             return
-        self.front.state, unit.state, unit.restart_at = "backoff", "backoff", time.monotonic() + delay
+        self.front.state, unit.state, unit.restart_at = ProcessState.BACKOFF, UnitState.BACKOFF, time.monotonic() + delay
         self.log("restarting", process=FRONT, delay_s=delay)
         self.save()
 
@@ -277,11 +281,11 @@ class VllmSupervisor(Supervisor):
         """Each tree's /health every second (every 0.2 s while one starts: the front waits on it); vLLM's
         /metrics, which costs its API server more to render, only as often as --hang-timeout needs."""
         scraped = {id(t): 0.0 for t in self.trees}
-        while not self.probe_stop.wait(1.0 if all(t.state == "serving" for t in self.trees) else 0.2):
+        while not self.probe_stop.wait(1.0 if all(t.state == TreeState.SERVING for t in self.trees) else 0.2):
             for tree in self.trees:
                 asked = time.monotonic()
                 healthy = self._get(tree, "/health") is not None
-                scrape = healthy and tree.state == "serving" and \
+                scrape = healthy and tree.state == TreeState.SERVING and \
                     asked - scraped[id(tree)] >= min(5.0, self.vllm.hang_timeout / 8)
                 text = self._get(tree, "/metrics") if scrape else None
                 scraped[id(tree)] = asked if scrape else scraped[id(tree)]
@@ -301,20 +305,20 @@ class VllmSupervisor(Supervisor):
 
     def on_probe(self, tree: Tree, asked: float, healthy: bool, metrics) -> None:
         """One probe's answers (asked at `asked`); a probe asked before this tree started says nothing of it."""
-        if tree.unit.state != "running" or tree.cause is not None or tree.first_death is not None or \
+        if tree.unit.state != UnitState.RUNNING or tree.cause is not None or tree.first_death is not None or \
                 self.stopping or asked < tree.started_at:
             return
         for proc in tree.procs.values():
             tree.resolve(proc)
-        if tree.state != "serving":
+        if tree.state != TreeState.SERVING:
             if healthy:
                 with contextlib.suppress(OSError):
                     os.chmod(tree.socket, 0o600)  # (vLLM binds it under the umask; the run dir is 0700 anyway)
-                tree.state = "serving"
+                tree.state = TreeState.SERVING
                 tree.progress = Progress(self.vllm.health_timeout, self.vllm.hang_timeout, asked)
                 self.log("ready", process=tree.root.spec.name, pid=tree.root.pid,
                          seconds=round(time.monotonic() - tree.started_at, 1))
-                if self.state != "serving":
+                if self.state != DeploymentState.SERVING:
                     self.log(f"serving {self.options.model} on {self.options.url}")
                     notify.sd_notify("READY=1")
                 self._overall()
@@ -361,7 +365,7 @@ class VllmSupervisor(Supervisor):
         if isinstance(proc, Observed) and proc.role is None:  # a subprocess vLLM ran and waited for
             self.save()
             return
-        if tree.cause is None and tree.first_death is None and tree.unit.state == "running":
+        if tree.cause is None and tree.first_death is None and tree.unit.state == UnitState.RUNNING:
             # the processes that follow it out (PR_SET_PDEATHSIG) die within milliseconds, but a killed
             # parent can still be tearing its threads down when its child's exit is seen: look a moment later
             tree.first_death = (proc, time.monotonic() + ATTRIBUTION_DELAY_S)
@@ -413,13 +417,13 @@ class VllmSupervisor(Supervisor):
         unit = tree.unit
         drained = tree.draining_until is not None
         self.log("vllm tree drained" if drained else "vllm tree lost", "info" if drained else "error", why=why,
-                 process=name, unit=unit.name)
+                 process=name, unit=str(unit.id))
         self._remember_shm(tree)
         self._kill_tree(tree)
         requested, unit.requested = unit.requested, False
-        tree.state = "restarting"
+        tree.state = TreeState.RESTARTING
         if drained:
-            unit.state, unit.restart_at = "backoff", time.monotonic()
+            unit.state, unit.restart_at = UnitState.BACKOFF, time.monotonic()
             self._overall()
             self.tell_front()
             self.save()
@@ -439,19 +443,19 @@ class VllmSupervisor(Supervisor):
             self._give_up(tree, f"vllm tree lost: {why}; {policy.max_restarts} restarts within "
                                 f"{policy.window_s:g} s, giving up{self._last_words(name, tree)}")
             return
-        unit.state, unit.restart_at = "backoff", time.monotonic() + delay
-        self.log("restarting", process=unit.name, delay_s=delay)
+        unit.state, unit.restart_at = UnitState.BACKOFF, time.monotonic() + delay
+        self.log("restarting", process=str(unit.id), delay_s=delay)
         self._overall()
         self.tell_front()
         self.save()
 
     def _give_up(self, tree: Tree, message: str) -> None:
         """A tree that will not restart: the deployment fails with it unless another tree still can serve."""
-        tree.unit.state, tree.state = "failed", "failed"
-        if all(t.unit.state == "failed" for t in self.trees):
+        tree.unit.state, tree.state = UnitState.FAILED, TreeState.FAILED
+        if all(t.unit.state == UnitState.FAILED for t in self.trees):
             self.fail(message)
             return
-        self.log(f"{tree.unit.name} failed; the other replicas go on", "error", why=message)
+        self.log(f"{str(tree.unit.id)} failed; the other replicas go on", "error", why=message)
         self._overall()
         self.tell_front()
         self.save()
@@ -483,8 +487,8 @@ class VllmSupervisor(Supervisor):
         self.save()
 
     def restart(self, unit: Unit) -> None:
-        if unit.name == FRONT:
-            unit.state, unit.started_at = "running", time.monotonic()
+        if unit.id == FRONT_UNIT:
+            unit.state, unit.started_at = UnitState.RUNNING, time.monotonic()
             self.front.restarts += 1
             self.start_front()
             return
@@ -492,7 +496,7 @@ class VllmSupervisor(Supervisor):
         if tree.alive:
             unit.restart_at = time.monotonic() + 0.1  # the killed processes have not exited yet
             return
-        unit.state, unit.started_at = "running", time.monotonic()
+        unit.state, unit.started_at = UnitState.RUNNING, time.monotonic()
         tree.root.restarts += 1
         self.start_tree(tree)
 
@@ -503,27 +507,27 @@ class VllmSupervisor(Supervisor):
         first and none before the last is serving again."""
         trees = [t for t in self.trees if replica is None or (t.r or 0) == replica]
         if rolling:
-            if self.rolling or not trees or any(t.state != "serving" or t.unit.state != "running" for t in trees):
+            if self.rolling or not trees or any(t.state != TreeState.SERVING or t.unit.state != UnitState.RUNNING for t in trees):
                 return []
             self.rolling.extend(trees)
             self._roll_next()
-            return [t.unit.name for t in trees]
+            return [str(t.unit.id) for t in trees]
         if role == FRONT:
-            if self.units[FRONT].state != "running" or not self.front.alive:
+            if self.units[FRONT_UNIT].state != UnitState.RUNNING or not self.front.alive:
                 return []
-            self.units[FRONT].requested = True
+            self.units[FRONT_UNIT].requested = True
             self.front.signal(signal.SIGTERM)
             return [FRONT]
         restarted = []
         for tree in trees:
-            victims = [p for p in self._current() if p["unit"] == tree.unit.name and p["role"] == role and
+            victims = [p for p in self._current() if p["unit"] == str(tree.unit.id) and p["role"] == role and
                        (dp is None or p.get("dp") == dp) and p["pid"]]
-            if not victims or tree.unit.state != "running" or tree.cause is not None:
+            if not victims or tree.unit.state != UnitState.RUNNING or tree.cause is not None:
                 continue
             tree.unit.requested = True
             victim = tree.root if victims[0]["pid"] == tree.root.pid else tree.procs[victims[0]["pid"]]
             self.end_tree(tree, f"vsup restart --role {role}", victim)
-            restarted.append(tree.unit.name)
+            restarted.append(str(tree.unit.id))
         return restarted
 
     def _roll_next(self) -> None:
@@ -533,11 +537,11 @@ class VllmSupervisor(Supervisor):
             self.log("rolling restart done")
             return
         tree = self.rolling[0]
-        if tree.state != "serving" or tree.cause is not None:  # it died meanwhile: its own restart stands in
+        if tree.state != TreeState.SERVING or tree.cause is not None:  # it died meanwhile: its own restart stands in
             return
         tree.unit.requested = True
         tree.draining_until = time.monotonic() + self.options.drain_timeout + self.options.stop_timeout
-        self.log("rolling restart: draining", process=tree.unit.name)
+        self.log("rolling restart: draining", process=str(tree.unit.id))
         self.tell_front()
         tree.root.signal(signal.SIGTERM)
         self.save()
@@ -563,7 +567,7 @@ class VllmSupervisor(Supervisor):
             left += [p.name or f"pid {p.pid}" for p in tree.procs.values() if p.alive]
         if left:
             self.log("killed with SIGKILL after --stop-timeout", "warning", processes=left)
-            if self.exit_code == 0 and self.state == "stopping":
+            if self.exit_code == 0 and self.state == DeploymentState.STOPPING:
                 self.exit_code = 1
                 self.message = f"stop needed SIGKILL for {', '.join(left)} (--stop-timeout " \
                                f"{self.options.stop_timeout:g} s)"
@@ -574,8 +578,8 @@ class VllmSupervisor(Supervisor):
             self.tick(timeout=0.1)
         self.probe_stop.set()
         self.cleanup()
-        if self.state == "stopping":
-            self.state = "stopped"
+        if self.state == DeploymentState.STOPPING:
+            self.state = DeploymentState.STOPPED
         self.save()
 
     def _wait(self, busy, seconds: float) -> None:
@@ -610,7 +614,7 @@ class VllmSupervisor(Supervisor):
                     extra.append((tree, proc))
         front = self.front.to_json()
         if self.front.alive:
-            front["state"] = "stopping" if self.stopping else "ready"
+            front["state"] = ProcessState.STOPPING if self.stopping else ProcessState.READY
         rows = [front]
         trees = {t.r: t for t in self.trees}
         for spec in self.plan.processes:
@@ -627,27 +631,28 @@ class VllmSupervisor(Supervisor):
     def _row(self, tree: Tree, name, role, device, title, live, ranks) -> dict:
         history = self.history.get(name, {"restarts": 0, "last_exit": None})
         if live is None:
-            state = {"backoff": "backoff", "failed": "failed"}.get(tree.unit.state,
-                                                                   "stopped" if self.stopping else "starting")
+            state = {UnitState.BACKOFF: ProcessState.BACKOFF, UnitState.FAILED: ProcessState.FAILED}.get(
+                tree.unit.state, ProcessState.STOPPED if self.stopping else ProcessState.STARTING)
         elif self.stopping or tree.draining_until is not None:
-            state = "stopping"
+            state = ProcessState.STOPPING
         else:
-            state = "ready" if tree.state == "serving" else "starting"
+            state = ProcessState.READY if tree.state == TreeState.SERVING else ProcessState.STARTING
         is_root = live is tree.root
         pid = live.pid if live is not None else None
         shown = (procfs.cmdline(pid) if is_root else live.title) if live is not None else None
         return {"name": name, "role": role, **({"r": tree.r} if tree.r is not None else {}), "a": ranks.get("a"),
                 "dp": ranks.get("dp"), "pp": ranks.get("pp"), "tp": ranks.get("tp"), "node": 0, "device": device,
-                "title": shown or title, "unit": tree.unit.name, "pid": pid, "state": state,
+                "title": shown or title, "unit": str(tree.unit.id), "pid": pid, "state": state,
                 "restarts": history["restarts"], "last_exit": history["last_exit"],
                 "started_at": (live.started_at if live is not None else None)}
 
     def snapshot(self) -> dict:
         state = super().snapshot()
         state["supervisor"]["engine"] = "vllm"
-        state["units"] = {**{t.unit.name: {"state": t.unit.state, "restarts": t.unit.restart.total,
-                                           "by_role": dict(t.by_role)} for t in self.trees},
-                          FRONT: {"state": self.units[FRONT].state, "restarts": self.units[FRONT].restart.total}}
+        front = self.units[FRONT_UNIT]
+        state["units"] = {**{str(t.unit.id): {"state": t.unit.state, "restarts": t.unit.restart.total,
+                                              "by_role": dict(t.by_role)} for t in self.trees},
+                          FRONT: {"state": front.state, "restarts": front.restart.total}}
         state["processes"] = self._current()
         state["remote"] = []
         return state
