@@ -25,17 +25,17 @@ from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.core.engine_core import EngineCore
 from engine.core.setup import build_engine_core, start_worker_group
+from engine.core.wave_follower import WaveFollower
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.model.config import ModelConfig
 from engine.wire.decoder import Decoder
 from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused,
-                                  RequestUpdate, Shutdown, UtilityCall, UtilityResult, WaveEnd, WaveReport, WorkersLost,
+                                  RequestUpdate, Shutdown, UtilityCall, UtilityResult, WorkersLost,
                                   control, encoder, from_waves, to_core)
 
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
 LOAD_COUNTERS_S = 0.1  # step counters reach the coordinator this often while they run
-WAVE_RESYNC_S = 2.0    # --dp-lockstep: with work and no go for this long, ask the coordinator again
 
 
 class CoreFailed(RuntimeError):
@@ -78,12 +78,7 @@ class EngineCoreProc:
             self.waves.setsockopt(zmq.LINGER, 0)
             self.waves.setsockopt(zmq.SUBSCRIBE, b"")
             cluster.connect(self.waves, args.wave_address)
-        self.wave_epoch = ""                          # the coordinator instance whose waves we follow
-        self.wave_done: tuple[int, int] | None = None  # (wave, step) we last ran in that epoch
-        self.wave_go: tuple[int, int] | None = None    # (wave, step) the coordinator says to run now
-        self.in_wave = False
-        self.reported_work = False                     # what our last report said
-        self.last_wave_report = 0.0
+        self.follower = WaveFollower(self.dp_rank)
         self.last_counters: tuple[int, int, int] | None = None
         self.last_load_at = 0.0
         self.last_load: tuple[int, int] | None = None
@@ -126,7 +121,7 @@ class EngineCoreProc:
         last_heartbeat = time.monotonic()
         while True:
             if self.waves is not None:  # lockstep: step only on the coordinator's go
-                busy = self.core.executor is not None and self.wave_go is not None
+                busy = self.core.executor is not None and self.follower.go is not None
             else:
                 busy = self.core.executor is not None and self.core.has_work()
             for sock, _ in poller.poll(0 if busy else HEARTBEAT_S * 1000):
@@ -163,10 +158,9 @@ class EngineCoreProc:
 
     def lockstep(self) -> None:
         """Run the step the coordinator said to run, a dummy one if we have no work, and report it;
-        with work and no go, ask for a wave (again, when no go came for WAVE_RESYNC_S)."""
-        if self.wave_go is not None:
-            wave, step = self.wave_go
-            self.wave_go = None
+        with work and no go, ask for a wave."""
+        go = self.follower.take_go()
+        if go is not None:
             before = self.core.num_steps
             try:
                 if self.core.has_work():
@@ -176,48 +170,22 @@ class EngineCoreProc:
             except WorkerGroupFailed as e:
                 self.lose_workers(str(e))
                 return
-            self.wave_done = (wave, step)
+            self.follower.stepped(go)
             self.report_wave()
-            return
-        if not self.core.has_work():
-            return
-        waited = time.monotonic() - self.last_wave_report
-        if not self.reported_work or waited >= WAVE_RESYNC_S:
-            if self.reported_work:
-                log.warning("no go from the coordinator; asking again", waited_s=round(waited, 2),
-                            epoch=self.wave_epoch, last_step=self.wave_done)
+        elif self.follower.wants_report(self.core.has_work()):
             self.report_wave()
 
     def report_wave(self) -> None:
         """Tell the coordinator the step we last ran and whether we have work now."""
-        wave, step = self.wave_done if self.wave_done is not None else (-1, -1)
-        has_work = self.core.has_work()
-        report = WaveReport(self.dp_rank, self.wave_epoch, wave, step, has_work)
         try:
-            self.coordinator.send(encoder.encode(report), zmq.NOBLOCK)
+            self.coordinator.send(encoder.encode(self.follower.report(self.core.has_work())), zmq.NOBLOCK)
         except zmq.Again:
             pass  # no coordinator right now: asked again after WAVE_RESYNC_S
-        self.reported_work, self.last_wave_report = has_work, time.monotonic()
 
     def drain_waves(self) -> None:
         for msg in pending(self.waves, from_waves, "coordinator waves"):
-            if msg.epoch != self.wave_epoch:
-                if self.wave_epoch:
-                    log.info("a new coordinator runs the waves; following it", epoch=msg.epoch)
-                self.wave_epoch, self.wave_done, self.wave_go = msg.epoch, None, None
-            if isinstance(msg, WaveEnd):
-                if self.wave_done is None or msg.wave >= self.wave_done[0]:
-                    self.in_wave = False
-                if self.wave_go is not None and self.wave_go[0] <= msg.wave:
-                    self.wave_go = None  # a go of a wave that ended without us: running it would step alone
-                continue
-            self.in_wave = True
-            at = (msg.wave, msg.step)
-            if self.wave_done is not None and at <= self.wave_done:
-                if at == self.wave_done and self.wave_go is None:
-                    self.report_wave()  # a go published again: our report may have been lost
-                continue
-            self.wave_go = at  # the newest go wins: a rank that fell behind syncs to it
+            if self.follower.on_wave(msg):
+                self.report_wave()
 
     def report_load(self, force: bool = False) -> None:
         """Tell the coordinator (DP > 1) our queue lengths when they change, and on every heartbeat;
@@ -228,7 +196,7 @@ class EngineCoreProc:
         load = (stats.num_waiting, stats.num_running)
         counters = (self.core.num_steps, self.core.num_dummy_steps, self.core.num_requests)
         now = time.monotonic()
-        idle = not self.core.has_work() and not self.in_wave
+        idle = not self.core.has_work() and not self.follower.in_wave
         if force or load != self.last_load or (counters != self.last_counters and (
                 idle or now - self.last_load_at >= LOAD_COUNTERS_S)):
             self.last_load, self.last_counters, self.last_load_at = load, counters, now

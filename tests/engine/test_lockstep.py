@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from engine.coordinator.waves import WaveBarrier
+from engine.core.wave_follower import WaveFollower
 from engine.wire.protocol import CoreLoad, WaveEnd, WaveGo, WaveReport, coordinator_out, encoder, from_waves
 from engine.wire.scheduler_output import SchedulerOutput
 
@@ -155,6 +156,65 @@ def test_with_every_rank_gone_the_wave_ends():
 
 
 # the coordinator process, fake cores over real sockets
+
+
+# the core's half, pure
+
+
+def follower(**kwargs):
+    clock = Clock()
+    return WaveFollower(1, clock=clock, **kwargs), clock
+
+
+def test_a_follower_runs_each_go_once_and_reports_the_step_it_ran():
+    f, clock = follower()
+    assert f.wants_report(has_work=True)  # work and no wave: ask for one
+    assert f.report(True) == WaveReport(1, "", -1, -1, True)
+    assert not f.wants_report(has_work=True)  # asked; wait for the go
+    assert f.on_wave(WaveGo("e1", 0, 0, [0, 1])) is False and f.in_wave
+    assert f.take_go() == (0, 0) and f.take_go() is None
+    f.stepped((0, 0))
+    assert f.report(False) == WaveReport(1, "e1", 0, 0, False)
+    f.on_wave(WaveGo("e1", 0, 0, [0, 1]))  # published again while others lag: nothing to run twice
+    assert f.take_go() is None
+    f.on_wave(WaveEnd("e1", 0))
+    assert not f.in_wave
+
+
+def test_a_go_published_again_for_the_step_we_ran_asks_for_our_report_again():
+    f, _ = follower()
+    f.on_wave(WaveGo("e1", 2, 5, [0, 1]))
+    f.stepped(f.take_go())
+    assert f.on_wave(WaveGo("e1", 2, 5, [0, 1])) is True  # our report may have been lost
+    assert f.on_wave(WaveGo("e1", 2, 4, [0, 1])) is False  # an older go: nothing
+
+
+def test_the_newest_go_wins_and_a_go_of_an_ended_wave_is_dropped():
+    f, _ = follower()
+    f.on_wave(WaveGo("e1", 0, 1, [0, 1]))
+    f.on_wave(WaveGo("e1", 0, 3, [0, 1]))  # fell behind: sync to the newest
+    assert f.take_go() == (0, 3)
+    f.on_wave(WaveGo("e1", 1, 0, [0, 1]))
+    f.on_wave(WaveEnd("e1", 1))  # the wave ended without us: running its go would step alone
+    assert f.take_go() is None
+
+
+def test_a_new_coordinator_starts_the_follower_afresh():
+    f, _ = follower()
+    f.on_wave(WaveGo("e1", 7, 2, [0, 1]))
+    f.stepped(f.take_go())
+    f.on_wave(WaveGo("e2", 0, 0, [0, 1]))  # its waves count from 0 again: not taken for stale ones
+    assert f.epoch == "e2" and f.take_go() == (0, 0)
+
+
+def test_with_work_and_no_go_the_follower_asks_again_after_resync():
+    f, clock = follower(resync_s=2.0)
+    f.report(True)
+    clock.now += 1.9
+    assert not f.wants_report(has_work=True)
+    clock.now += 0.2
+    assert f.wants_report(has_work=True)
+    assert not f.wants_report(has_work=False)  # nothing to ask for
 
 
 def test_coordinator_process_runs_waves_leaves_a_dead_rank_out_and_drops_malformed(tmp_path):
