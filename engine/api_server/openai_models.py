@@ -1,21 +1,43 @@
-"""Request bodies of the OpenAI routes (and vLLM's extensions), as strict pydantic models.
+"""Request bodies of the OpenAI routes (and vLLM's extensions), as strict pydantic models that check
+themselves and give the engine's SamplingParams.
 
 Strict: a number sent as a string, a bool as a number, NaN or infinity is a
 400, not a guess. Unknown fields are ignored, as vLLM does, so clients that
-send newer OpenAI fields still work. Ranges that depend on the model
-(max_tokens against max_model_len) are checked in sampling.py.
+send newer OpenAI fields still work; a feature this server does not implement
+is a 400 as the body is parsed, rather than ignored. Ranges that depend on the
+model (max_tokens against max_model_len) are checked by `sampling_params`,
+given the model's limits.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.api_server.errors import bad_request
+from engine.wire.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model allows a request: its context and its vocabulary."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def check_token_ids(token_ids, vocab_size: int, param: str) -> None:
+    """400 unless every id is in the vocabulary (a bad id would crash the workers' embedding)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"{param} must hold token ids in [0, {vocab_size}); got {bad[:5]}", param)
 
 
 class OpenAIRequest(BaseModel):
@@ -57,6 +79,69 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
+    @model_validator(mode="after")
+    def _supported(self):
+        """Refuse, with a 400 (an OpenAIError passes through pydantic), what this server does not implement."""
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """A last chunk with the usage (streaming)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty strings would stop before anything)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return [s for s in stop if s]
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs per token the engine returns (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling_params(self, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
+        """The engine's SamplingParams for one prompt of this request; raises a 400 OpenAIError."""
+        max_model_len = limits.max_model_len
+        if num_prompt_tokens == 0:
+            raise bad_request("the prompt is empty; send at least one token", "prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                              f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion. "
+                              f"Please reduce the length of the prompt.", "prompt")
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens is None:
+            max_tokens = max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > max_model_len:
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                              f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                              f"prompt, {max_tokens} for the completion). Please reduce the length of the prompt "
+                              f"or max_tokens.", "max_tokens")
+        check_token_ids(self.stop_token_ids or (), limits.vocab_size, "stop_token_ids")
+        try:
+            params = SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                # above the vocabulary top_k changes nothing, and past 2**63 it would overflow the sampler's int64
+                top_k=-1 if self.top_k is None else min(self.top_k, limits.vocab_size),
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                logprobs=self.requested_logprobs(), presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+            params.validate()
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+        return params
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
@@ -67,6 +152,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_supported(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(OpenAIRequest):
@@ -106,6 +207,23 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _chat_supported(self):
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(f"response_format {self.response_format.type!r} is not supported; use 'text'",
+                              "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise bad_request("tool calling is not supported", "tools")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(OpenAIRequest):

@@ -7,11 +7,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api_server import supervisor_state
+from engine.api_server.answer import json_response
 from engine.api_server.errors import OpenAIError, bad_request
 from engine.api_server.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                             TokenizeRequest)
-from engine.api_server.sampling import check_token_ids
-from engine.api_server.serving import Serving, json_response
+                                             TokenizeRequest, check_token_ids)
+from engine.api_server.serving import Serving
 from engine.api_server.serving_chat import create_chat_completion, render_messages
 from engine.api_server.serving_completions import create_completion
 from engine.api_server.version import version

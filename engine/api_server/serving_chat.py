@@ -6,13 +6,13 @@ import structlog
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.api_server.answer import (ClientDisconnected, error_event, json_response, new_request_id, now, open_stream,
+                                     run_to_end, sse, streaming_response, usage)
 from engine.api_server.errors import bad_request
 from engine.api_server.generation import ChoiceDelta, ChoiceResult
 from engine.api_server.logprobs import chat_logprobs, token_namer
-from engine.api_server.openai_models import ChatCompletionRequest, ChatMessage
-from engine.api_server.sampling import check_token_ids, check_unsupported, sampling_params, stop_strings
-from engine.api_server.serving import (ClientDisconnected, Serving, error_event, json_response, new_request_id, now,
-                                       open_stream, run_to_end, sse, streaming_response, usage)
+from engine.api_server.openai_models import ChatCompletionRequest, ChatMessage, check_token_ids
+from engine.api_server.serving import Serving
 from engine.api_server.tokenizer import Tokenizer
 
 # template variables a request's chat_template_kwargs may not override
@@ -22,20 +22,14 @@ RESERVED_TEMPLATE_VARS = {"messages", "add_generation_prompt", "bos_token", "eos
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
     """Validate, render and tokenize the conversation, start the choices, answer."""
     model = serving.check_model(body.model)
-    check_unsupported(body)
     serving.check_ready()
-    max_model_len = serving.max_model_len()
+    limits = serving.limits()
     prompt = await serving.tokenizer.encode_async(render_messages(serving.tokenizer, body), add_special_tokens=False)
-    check_token_ids(prompt, serving.vocab_size, "messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, num_prompt_tokens=len(prompt),
-                             max_model_len=max_model_len, vocab_size=serving.vocab_size)
+    check_token_ids(prompt, limits.vocab_size, "messages")
+    params = body.sampling_params(len(prompt), limits)
     request_id = new_request_id("chatcmpl")
     structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
-    runners = serving.start(request_id, [prompt], [params], body.n, stop=stop_strings(body),
-                            include_stop_str_in_output=body.include_stop_str_in_output,
-                            skip_special_tokens=body.skip_special_tokens)
+    runners = serving.start(request_id, [prompt], [params], body)
     view = ChatView(request_id, model, serving.tokenizer, body)
     try:
         if body.stream:
@@ -77,7 +71,7 @@ class ChatView:
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest):
         self.request_id, self.model, self.tokenizer, self.body = request_id, model, tokenizer, body
-        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.include_usage = body.include_usage
         self.num_top = body.top_logprobs or 0
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
 

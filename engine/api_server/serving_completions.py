@@ -6,31 +6,27 @@ import structlog
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.api_server.answer import (ClientDisconnected, error_event, json_response, new_request_id, now, open_stream,
+                                     run_to_end, sse, streaming_response, usage)
 from engine.api_server.errors import bad_request
 from engine.api_server.generation import ChoiceDelta, ChoiceResult
 from engine.api_server.logprobs import completion_logprobs, token_namer
-from engine.api_server.openai_models import MAX_N, CompletionRequest
-from engine.api_server.sampling import check_token_ids, check_unsupported, sampling_params, stop_strings
-from engine.api_server.serving import (ClientDisconnected, Serving, error_event, json_response, new_request_id, now,
-                                       open_stream, run_to_end, sse, streaming_response, usage)
+from engine.api_server.openai_models import MAX_N, CompletionRequest, check_token_ids
+from engine.api_server.serving import Serving
 
 
 async def create_completion(body: CompletionRequest, request: Request, serving: Serving) -> Response:
     """Validate, tokenize, start the choices, answer (400/404/503 before anything runs)."""
     model = serving.check_model(body.model)
-    check_unsupported(body)
     serving.check_ready()
-    max_model_len = serving.max_model_len()
+    limits = serving.limits()
     prompts, prompt_texts = await _tokenize(body, serving)
     if len(prompts) * body.n > MAX_N:
         raise bad_request(f"at most {MAX_N} choices per request (prompts x n); got {len(prompts) * body.n}", "n")
-    params = [sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, num_prompt_tokens=len(p),
-                              max_model_len=max_model_len, vocab_size=serving.vocab_size) for p in prompts]
+    params = [body.sampling_params(len(p), limits) for p in prompts]
     request_id = new_request_id("cmpl")
     structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
-    runners = serving.start(request_id, prompts, params, body.n, stop=stop_strings(body),
-                            include_stop_str_in_output=body.include_stop_str_in_output,
-                            skip_special_tokens=body.skip_special_tokens)
+    runners = serving.start(request_id, prompts, params, body)
     echo = [prompt_texts[r.index // body.n] if body.echo else "" for r in runners]
     view = CompletionView(request_id, model, serving, body, echo)
     num_prompt_tokens = sum(len(p) for p in prompts)
@@ -86,7 +82,7 @@ class CompletionView:
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         out = {"id": self.request_id, "object": "text_completion", "created": now(), "model": self.model,
                "choices": choices}
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+        if self.body.include_usage:
             out["usage"] = usage_
         return out
 
@@ -104,7 +100,7 @@ async def _events(view: CompletionView, first: ChoiceDelta, deltas, num_prompt_t
                 yield sse(view.chunk([view.choice(delta)]))  # not for tokens that only began a character
             delta = await anext(deltas, None)
         else:
-            if view.body.stream_options is not None and view.body.stream_options.include_usage:
+            if view.body.include_usage:
                 yield sse(view.chunk([], usage(num_prompt_tokens, num_tokens)))
         yield sse("[DONE]")
     finally:

@@ -14,8 +14,8 @@ app = typer.Typer()
 
 
 @app.command()
-def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_json: options.Json = False, watch: options.Watch = False,
-       interval: options.Interval = 2.0) -> None:
+def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_json: options.Json = False,
+       watch: options.Watch = False, interval: options.Interval = 2.0) -> None:
     """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
 
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process

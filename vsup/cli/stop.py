@@ -43,8 +43,8 @@ def supervisor_alive(pid: int | None) -> bool:
 
 
 @app.command()
-def restart(role: options.Role = None, dp: options.DpRank = None, replica: options.ReplicaIndex = None, rolling: options.Rolling = False,
-            name: options.Name = "default") -> None:
+def restart(role: options.Role = None, dp: options.DpRank = None, replica: options.ReplicaIndex = None,
+            rolling: options.Rolling = False, name: options.Name = "default") -> None:
     """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group).
 
     With --engine vllm a unit is a whole vLLM tree (of --replica); --rolling restarts every replica in turn,

@@ -79,7 +79,7 @@ def units(processes: list[ProcessSpec]) -> list[UnitId]:
 def dp_ranks_serving(processes: list[ProcessSpec], failed_units: set[UnitId]) -> list[int]:
     """DP ranks whose engine core and worker group are both still allowed to run."""
     ranks = sorted({p.dp for p in processes if p.role == ENGINE_CORE})
-    return [r for r in ranks if UnitId.engine_core(r) not in failed_units and UnitId.worker_group(r) not in failed_units]
+    return [r for r in ranks if not {UnitId.engine_core(r), UnitId.worker_group(r)} & failed_units]
 
 
 def can_serve(processes: list[ProcessSpec], failed_units: set[UnitId]) -> bool:

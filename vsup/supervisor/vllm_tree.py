@@ -208,7 +208,8 @@ class VllmSupervisor(Supervisor):
         self.router.add(err, "stderr", tag)
         self.selector.register(root.pidfd, selectors.EVENT_READ, root)
         tree.started_at, tree.gen = time.monotonic(), next(self.gens)
-        tree.progress, tree.cause, tree.procs, tree.state, tree.draining_until = None, None, {}, TreeState.STARTING, None
+        tree.progress, tree.cause, tree.procs, tree.draining_until = None, None, {}, None
+        tree.state = TreeState.STARTING
         self.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
         self._overall()
         self.tell_front()
@@ -271,7 +272,8 @@ class VllmSupervisor(Supervisor):
             self.fail(f"{FRONT} {self.front.last_exit}: nothing holds --port any more; "
                       f"{self._last_words(FRONT).removeprefix('; ') or 'no error lines'}")
             return
-        self.front.state, unit.state, unit.restart_at = ProcessState.BACKOFF, UnitState.BACKOFF, time.monotonic() + delay
+        self.front.state, unit.state = ProcessState.BACKOFF, UnitState.BACKOFF
+        unit.restart_at = time.monotonic() + delay
         self.log("restarting", process=FRONT, delay_s=delay)
         self.save()
 
@@ -507,7 +509,8 @@ class VllmSupervisor(Supervisor):
         first and none before the last is serving again."""
         trees = [t for t in self.trees if replica is None or (t.r or 0) == replica]
         if rolling:
-            if self.rolling or not trees or any(t.state != TreeState.SERVING or t.unit.state != UnitState.RUNNING for t in trees):
+            if self.rolling or not trees or \
+                    any(t.state != TreeState.SERVING or t.unit.state != UnitState.RUNNING for t in trees):
                 return []
             self.rolling.extend(trees)
             self._roll_next()
