@@ -1,8 +1,8 @@
 """A whole serving tree on this machine without vsup: for tests and benchmarks of the API server.
 
-`LocalDeployment` starts API servers, engine cores and their workers with
-the argv the supervisor uses, every address from vsup/addresses.py (as the
-supervisor takes them), and plays supervisor where a test needs it
+`LocalDeployment` starts API servers, engine cores and their workers (and a
+coordinator with DP > 1) with the argv that vsup's own `topology.plan` gives
+them, and plays supervisor where a test needs it
 (kill -9 of a core, a replacement). Each process writes its log to
 `<run_dir>/logs/<name>.log`, never to a pipe nobody drains.
 """
@@ -22,6 +22,9 @@ import uuid
 from pathlib import Path
 
 from vsup import addresses
+from vsup.serve_flags import ServeFlags, engine_args
+from vsup.topology import (API_SERVER, COORDINATOR, ENGINE_CORE, WORKER, ParallelConfig, Plan, ProcessSpec,
+                           plan)
 
 TEST_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -106,54 +109,59 @@ class LocalDeployment:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def engine_address(self, a: int) -> str:
-        return addresses.api_server_engine_socket(str(self.run_dir), a)
+    def plan(self, in_process: bool = False) -> Plan:
+        """The processes `vsup serve` would start for this shape, with the argv it would give them."""
+        config = ParallelConfig(data_parallel_size=self.data_parallel_size, api_server_count=self.num_api_servers,
+                                multiprocessing=not in_process)
+        flags = ServeFlags(model=self.model_dir, served_model_name=self.served_model_name, host="127.0.0.1",
+                           port=self.port, dtype="auto", max_num_seqs=256, seed=0, drain_timeout=30.0,
+                           gpu_memory_utilization=0.9, max_model_len=self.max_model_len,
+                           kv_cache_bytes=self.kv_cache_bytes)
+        args = (*engine_args(flags, multiprocessing=not in_process), "--block-size", str(self.block_size))
+        return plan(config, python=sys.executable, engine_args=args, run_dir=str(self.run_dir),
+                    deployment=f"test-{self.tag}")
 
     # starting
 
     def start(self, in_process: bool = False) -> LocalDeployment:
         """Start everything (or one in-process API server); `wait_ready` waits for /health."""
         if in_process:
-            self.spawn("a0", self.api_server_argv(0) + ["--no-multiprocessing", "--kv-cache-bytes",
-                                                       str(self.kv_cache_bytes), "--block-size", str(self.block_size)])
+            self.spawn_spec(self.plan(in_process=True).processes[0])
             return self
         self.start_api_servers()
         for dp in range(self.data_parallel_size):
             self.start_core(dp)
+        for spec in self.plan().processes:
+            if spec.role == COORDINATOR:
+                self.spawn_spec(spec)
         return self
 
     def start_api_servers(self) -> None:
         """Only the API servers: /health says 503 until a core is started."""
-        for a in range(self.num_api_servers):
-            self.spawn(f"a{a}", self.api_server_argv(a))
-
-    def api_server_argv(self, a: int) -> list[str]:
-        argv = ["-m", "engine.api_server", "--api-server-rank", str(a), "--api-server-count",
-                str(self.num_api_servers), "--data-parallel-size", str(self.data_parallel_size),
-                "--model", self.model_dir, "--served-model-name", self.served_model_name, "--host", "127.0.0.1",
-                "--port", str(self.port), "--engine-address", self.engine_address(a), *self.api_args]
-        return argv + (["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
+        for spec in self.plan().processes:
+            if spec.role == API_SERVER:
+                self.spawn_spec(spec)
 
     def start_core(self, dp: int) -> None:
         """Start (or replace) DP rank `dp`'s engine core and its worker."""
         self.generation += 1
-        run = str(self.run_dir)
-        argv = ["-m", "engine.core", "--model", self.model_dir, "--dp-rank", str(dp),
-                "--data-parallel-size", str(self.data_parallel_size),
-                *[a for i in range(self.num_api_servers) for a in ("--api-server-address", self.engine_address(i))],
-                "--worker-address", addresses.core_worker_socket(run, dp),
-                "--control-address", addresses.core_control_socket(run, dp),
-                "--ring-prefix", addresses.ring_prefix(f"test-{self.tag}", dp),
-                "--wakeup-address", addresses.ring_wakeup_socket(run, dp),
-                "--block-size", str(self.block_size), "--max-num-batched-tokens", "256", *self.core_args]
-        if self.max_model_len:
-            argv += ["--max-model-len", str(self.max_model_len)]
-        self.spawn(f"core-dp{dp}", argv)
-        self.spawn(f"worker-dp{dp}", [
-            "-m", "engine.worker", "--model", self.model_dir, "--dp-rank", str(dp), "--tp-rank", "0",
-            "--kv-cache-bytes", str(self.kv_cache_bytes), "--block-size", str(self.block_size),
-            "--core-address", addresses.core_worker_socket(run, dp),
-            "--dist-init-method", addresses.dist_init_method(run, dp, self.generation), "--num-threads", "1"])
+        for spec in self.plan().processes:
+            if spec.dp == dp and spec.role == ENGINE_CORE:
+                self.spawn_spec(spec)
+            elif spec.dp == dp and spec.role == WORKER:  # what the supervisor adds, and one thread each
+                self.spawn_spec(spec, "--dist-init-method", addresses.dist_init_method(
+                    str(self.run_dir), dp, self.generation), "--num-threads", "1")
+
+    def spawn_spec(self, spec: ProcessSpec, *extra: str) -> subprocess.Popen:
+        """Start one process of the plan under its short name (a0, core-dp0, worker-dp0, coordinator), with
+        this deployment's extra flags for its role."""
+        own = {API_SERVER: self.api_args, ENGINE_CORE: ("--max-num-batched-tokens", "256", *self.core_args)}
+        short = {API_SERVER: f"a{spec.a}", ENGINE_CORE: f"core-dp{spec.dp}", WORKER: f"worker-dp{spec.dp}"}
+        argv = list(spec.argv[1:])
+        if "--state-file" in argv:  # no supervisor writes one here: the API servers count restarts themselves
+            i = argv.index("--state-file")
+            del argv[i:i + 2]
+        return self.spawn(short.get(spec.role, spec.name), [*argv, *own.get(spec.role, ()), *extra])
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         """`python argv...` with its output in logs/<name>.log; replaces an earlier holder of the name."""

@@ -60,10 +60,10 @@ class ModelRunner:
 
     # request state
 
-    def update_states(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-        for new in out.new_requests:
+        for new in scheduler_output.new_requests:
             generator = make_generator(new.sampling.seed, self.device)
             if generator is not None and self.groups.is_driver:
                 # a resumed request continues its random stream where it stopped
@@ -72,7 +72,7 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids),
                 new.num_computed_tokens, generator)
-        for cached in out.cached_requests:
+        for cached in scheduler_output.cached_requests:
             state = self.requests[cached.req_id]
             state.token_ids += cached.new_token_ids
             state.block_ids += cached.new_block_ids
@@ -81,22 +81,22 @@ class ModelRunner:
     # the step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Only the sampling rank returns the sampled tokens."""
-        self.update_states(out)
-        if out.dummy:
+        self.update_states(scheduler_output)
+        if scheduler_output.dummy:
             self._dummy_forward()
-            return ModelRunnerOutput(step_id=out.step_id) if self.groups.is_driver else None
-        if not out.num_scheduled_tokens:
-            return ModelRunnerOutput(step_id=out.step_id) if self.groups.is_driver else None
-        req_ids = list(out.num_scheduled_tokens)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id) if self.groups.is_driver else None
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id) if self.groups.is_driver else None
+        req_ids = list(scheduler_output.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        counts = [out.num_scheduled_tokens[r] for r in req_ids]
+        counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
         input_ids, positions = [], []
         for state, n in zip(states, counts):
             start = state.num_computed_tokens
             if start + n > len(state.token_ids):
-                raise ValueError(f"step {out.step_id} schedules {n} tokens from {start} but the request "
+                raise ValueError(f"step {scheduler_output.step_id} schedules {n} tokens from {start} but the request "
                                  f"has only {len(state.token_ids)}")
             input_ids += state.token_ids[start:start + n]
             positions += range(start, start + n)
@@ -123,8 +123,9 @@ class ModelRunner:
         if not self.groups.is_driver:
             return None
         if not sampling:
-            return ModelRunnerOutput(step_id=out.step_id)
-        return self._sample(out.step_id, [req_ids[i] for i in sampling], [states[i] for i in sampling], logits)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        return self._sample(scheduler_output.step_id, [req_ids[i] for i in sampling], [states[i] for i in sampling],
+                            logits)
 
     def _dummy_forward(self) -> None:
         """One token (id 0, position 0) through this stage, as a real step goes: from the previous

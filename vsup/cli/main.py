@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
 
 # each command -> the modules of vsup.cli that `vsup COMMAND` imports: the one that defines it first, and
 # for plan and serve both, since one --config file serves the two (config_file.py checks the other's
-# keys). The modules a command does not need cost `vsup plan` about 4% of its start (bench/plan_latency.py).
+# keys). The modules a command does not need slow `vsup plan`'s start (bench/plan_latency.py measures it).
 COMMANDS = {"plan": ("plan", "serve"), "serve": ("serve", "plan"), "ps": ("ps",), "logs": ("logs",),
             "stop": ("stop",), "restart": ("stop",)}
 
