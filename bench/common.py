@@ -344,12 +344,16 @@ class Server:
 
 
 def vsup_serve(children: Children, home: str | Path, *args: str, name: str = "bench",
-               env: dict | None = None) -> Server:
-    """`vsup serve [args]` of the default model in run dir home/name, on a free port."""
+               env: dict | None = None, model_dir: str | Path | None = None) -> Server:
+    """`vsup serve [MODEL] [args]` in run dir home/name, on a free port: the default model, or the
+    one in `model_dir` (served under its directory's name, as vsup names it)."""
     port = free_port()
-    argv = [sys.executable, "-m", "vsup", "serve", "--port", str(port), "--name", name, "--log-format", "text", *args]
+    model = [str(model_dir)] if model_dir else []
+    argv = [sys.executable, "-m", "vsup", "serve", *model, "--port", str(port), "--name", name, "--log-format", "text",
+            *args]
     return Server(f"vsup serve {' '.join(args)}".strip(), argv, port, Path(home) / f"{name}-console.log", children,
-                  env={"VSUP_HOME": str(home), **(env or {})}, model="SmolLM2-135M-Instruct")
+                  env={"VSUP_HOME": str(home), **(env or {})},
+                  model=Path(model_dir).name if model_dir else "SmolLM2-135M-Instruct")
 
 
 def settle(procs: Sequence[subprocess.Popen], idle_cores: float = 0.1, window_s: float = 0.1,
