@@ -11,21 +11,22 @@ if TYPE_CHECKING:
     from vsup.model_shape import ModelShape
 
 
-def _tree_rows(processes: list[ProcessSpec]) -> list[tuple[str, ProcessSpec]]:
-    """(branch prefix, process) rows: workers hang under their engine core.
+def tree_rows(processes: list, role=lambda p: p.role, group=lambda p: (p.r, p.dp)) -> list[tuple[str, object]]:
+    """(branch prefix, process) rows: workers hang under their engine core (the same replica and DP rank,
+    `group`). `plan` draws ProcessSpecs, `ps` its live rows (dicts, with their own `role` and `group`).
 
     In-process mode has no engine core, so its workers hang under the API server."""
-    workers = [p for p in processes if p.role == WORKER]
-    has_core = any(p.role == ENGINE_CORE for p in processes)
-    top = [p for p in processes if p.role != WORKER]
+    workers = [p for p in processes if role(p) == WORKER]
+    has_core = any(role(p) == ENGINE_CORE for p in processes)
+    top = [p for p in processes if role(p) != WORKER]
     if not top:  # a node with only workers of a group that spans nodes: their core is on node 0
         top, workers = workers, []
     rows = []
     for i, parent in enumerate(top):
         last = i == len(top) - 1
         rows.append(("└── " if last else "├── ", parent))
-        if parent.role == ENGINE_CORE:
-            children = [w for w in workers if (w.r, w.dp) == (parent.r, parent.dp)]
+        if role(parent) == ENGINE_CORE:
+            children = [w for w in workers if group(w) == group(parent)]
         else:
             children = [] if has_core else workers
         for j, child in enumerate(children):
@@ -39,7 +40,7 @@ def render_plan(plan: Plan) -> str:
     many_nodes = len(plan.nodes()) > 1 or plan.config.headless
     for node in plan.nodes():
         processes = plan.on_node(node)
-        rows = _tree_rows(processes)
+        rows = tree_rows(processes)
         width = max(len(prefix) + len(p.name) for prefix, p in rows)
         where = f"node {node}" + (" (head)" if node == 0 else " (headless)")
         lines.append(f"supervisor (vsup serve{', ' + where if many_nodes else ''})")

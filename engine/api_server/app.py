@@ -3,6 +3,7 @@ so tests can build one around any client."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -14,6 +15,7 @@ from engine.api_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from engine.api_server.serving import Serving
 from engine.api_server.tokenizer import TokenizerError
 from engine.api_server.version import version
+from engine.load import measure_event_loop, report_to_supervisor
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -42,6 +44,8 @@ def _lifespan(serving: Serving, metrics, before_serving):
     async def lifespan(app: FastAPI):
         if metrics is not None:
             serving.client.on_restart = metrics.record_restart
+        measure_event_loop(serving.meter, asyncio.get_running_loop())
+        report_to_supervisor(serving.meter, lambda: {"num_requests": len(serving.client.requests)})
         await serving.client.start()
         try:
             if before_serving is not None:

@@ -11,6 +11,7 @@ from engine.api_server.generation import ChoiceRunner
 from engine.api_server.openai_models import ModelLimits, SamplingFields
 from engine.api_server.sampling import choice_params
 from engine.api_server.tokenizer import Tokenizer
+from engine.load import LoadMeter
 from engine.wire.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class Serving:
         self.default_max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.meter = LoadMeter()  # for `vsup ps`: the event loop's busy share, time spent tokenizing
+        tokenizer.meter = self.meter
 
     @property
     def model_name(self) -> str:

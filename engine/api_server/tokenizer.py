@@ -19,6 +19,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.load import LoadMeter
+
 # Longer texts are tokenized in a thread, so the event loop keeps streaming meanwhile.
 THREAD_THRESHOLD_CHARS = 4096
 
@@ -38,6 +40,7 @@ class Tokenizer:
                                for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self.meter = LoadMeter()  # the API server's own, for `vsup ps` (time spent tokenizing)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -62,7 +65,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; raises TokenizerError for text that is not valid Unicode."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            with self.meter.busy("tokenize"):
+                return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:  # lone surrogates and the like cannot cross into Rust
             raise TokenizerError(f"the text cannot be tokenized: {e}") from e
 
@@ -91,8 +95,9 @@ class Tokenizer:
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            with self.meter.busy("tokenize"):
+                return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             **self.special_tokens, **kwargs)
         except Exception as e:  # raise_exception, or a TypeError from a message of the wrong shape
             raise TokenizerError(f"the chat template refused the messages: {e}") from e
 

@@ -22,6 +22,7 @@ import zmq
 from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.coordinator.waves import WaveBarrier
+from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
 from engine.process import become
 from engine.wire.protocol import CoreLoad, LoadStats, WaveReport, encoder, to_coordinator
@@ -53,6 +54,8 @@ class Coordinator:
             cluster.bind(self.waves, wave_address)
             self.guard.watch(self.waves, wave_address)
             self.barrier = WaveBarrier(range(data_parallel_size), epoch=uuid.uuid4().hex[:12])
+        self.meter = LoadMeter()  # waves and load messages per second, for `vsup ps`
+        self.counted = (0, 0)  # the barrier's waves and steps counted so far
 
     def run(self) -> None:
         changed, last_publish = False, 0.0
@@ -64,6 +67,10 @@ class Coordinator:
                 changed |= self.receive()
             if self.barrier is not None:
                 self.send_waves(self.barrier.tick())
+                waves, steps = self.barrier.num_waves, self.barrier.num_steps
+                self.meter.count("waves", waves - self.counted[0])
+                self.meter.count("steps", steps - self.counted[1])
+                self.counted = (waves, steps)
             if time.monotonic() - last_publish >= (PUBLISH_S if changed else HEARTBEAT_S):
                 self.output.send(encoder.encode(LoadStats(ranks=self.ranks, published_at=time.time(),
                                                           counters=self.counters)))
@@ -85,6 +92,7 @@ class Coordinator:
                     self.send_waves(self.barrier.on_report(msg))
                 continue
             assert isinstance(msg, CoreLoad)
+            self.meter.count("load_reports")
             if self.barrier is not None:
                 self.barrier.heard(msg.dp_rank)
             counts = [msg.num_waiting, msg.num_running]
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                               wave_address=args.wave_address if args.dp_lockstep else None)
     log.info("ready", ranks=args.data_parallel_size, lockstep=coordinator.barrier is not None,
              epoch=coordinator.barrier.epoch if coordinator.barrier else None)
+    report_to_supervisor(coordinator.meter, lambda: {"lockstep": coordinator.barrier is not None})
     try:
         coordinator.run()
     except KeyboardInterrupt:

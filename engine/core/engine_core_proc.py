@@ -27,6 +27,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.setup import build_engine_core, start_worker_group
 from engine.core.wave_follower import WaveFollower
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
+from engine.load import LoadMeter, report_to_supervisor
 from engine.model.config import ModelConfig
 from engine.wire.decoder import Decoder
 from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused,
@@ -36,6 +37,7 @@ from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, H
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
 LOAD_COUNTERS_S = 0.1  # step counters reach the coordinator this often while they run
+GAUGES_S = 0.5         # running, waiting and KV use for `vsup ps` (engine/load.py)
 
 
 class CoreFailed(RuntimeError):
@@ -79,6 +81,8 @@ class EngineCoreProc:
             self.waves.setsockopt(zmq.SUBSCRIBE, b"")
             cluster.connect(self.waves, args.wave_address)
         self.follower = WaveFollower(self.dp_rank)
+        self.meter = LoadMeter()
+        self.gauges_at = 0.0
         self.last_counters: tuple[int, int, int] | None = None
         self.last_load_at = 0.0
         self.last_load: tuple[int, int] | None = None
@@ -105,6 +109,7 @@ class EngineCoreProc:
             raise CoreFailed(str(e)) from None
         self.say_ready()
         log.info("ready", num_blocks=self.core.config.num_blocks, max_model_len=self.core.config.max_model_len)
+        report_to_supervisor(self.meter)
         self.loop()
 
     def start_group(self, timeout_s: float) -> WorkerGroup:
@@ -145,9 +150,12 @@ class EngineCoreProc:
                 self.lockstep()
             elif self.core.has_work():
                 try:
-                    self.publish(self.core.step())
+                    with self.meter.busy("step"):
+                        updates = self.core.step()
+                    self.publish(updates)
                 except WorkerGroupFailed as e:
                     self.lose_workers(str(e))
+            self.measure()
             heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
             self.report_load(force=heartbeat)
             if heartbeat:
@@ -163,10 +171,11 @@ class EngineCoreProc:
         if go is not None:
             before = self.core.num_steps
             try:
-                if self.core.has_work():
-                    self.publish(self.core.step())
-                if self.core.num_steps == before and self.core.executor is not None:
-                    self.core.dummy_step()  # nothing of ours ran: step anyway, with the others
+                with self.meter.busy("step"):
+                    updates = self.core.step() if self.core.has_work() else []
+                    if self.core.num_steps == before and self.core.executor is not None:
+                        self.core.dummy_step()  # nothing of ours ran: step anyway, with the others
+                self.publish(updates)
             except WorkerGroupFailed as e:
                 self.lose_workers(str(e))
                 return
@@ -186,6 +195,15 @@ class EngineCoreProc:
         for msg in pending(self.waves, from_waves, "coordinator waves"):
             if self.follower.on_wave(msg):
                 self.report_wave()
+
+    def measure(self) -> None:
+        """The gauges `vsup ps` shows (engine/load.py), at most every GAUGES_S."""
+        now = time.monotonic()
+        if now - self.gauges_at >= GAUGES_S:
+            stats = self.core.stats()
+            self.meter.set(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                           kv_cache_usage=round(stats.kv_cache_usage, 4))
+            self.gauges_at = now
 
     def report_load(self, force: bool = False) -> None:
         """Tell the coordinator (DP > 1) our queue lengths when they change, and on every heartbeat;

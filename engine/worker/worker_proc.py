@@ -24,6 +24,7 @@ import zmq
 
 from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
+from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
 from engine.process import become
 from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
@@ -127,6 +128,15 @@ def join(sock: zmq.Socket, hello: JoinGroup, log) -> str | None:
             return None
 
 
+def device_memory(worker: Worker, kv_cache_bytes: int) -> dict:
+    """What this worker holds on its device, for `vsup ps`: weights and KV cache; on CUDA also what torch
+    has reserved there."""
+    figures = {"weight_bytes": worker.weight_bytes, "kv_cache_bytes": kv_cache_bytes}
+    if worker.config.device.startswith("cuda"):
+        figures["device_reserved_bytes"] = torch.cuda.memory_reserved(torch.device(worker.config.device))
+    return figures
+
+
 def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: int = 0) -> bool:
     """Allocate the cache when the core says how big, then run the steps it writes into
     the ring until Shutdown (True) or until the core is gone (False). A malformed message
@@ -149,6 +159,8 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
     sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes,
                                         epoch=ready.epoch)))
+    meter = LoadMeter()
+    report_to_supervisor(meter, lambda: device_memory(worker, nbytes))
     # a remote worker's ring has no such word: its stuck step waits for the collective's timeout
     watch = StepWatch(ring.abandoned, log) if isinstance(ring, ShmBroadcastReader) else contextlib.nullcontext()
     try:
@@ -164,7 +176,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
             if isinstance(step, Shutdown):
                 log.info("shutting down")
                 return True
-            with watch:
+            with watch, meter.busy("forward"):
                 result = worker.execute(step)
             if result is not None:
                 sock.send(encoder.encode(result))

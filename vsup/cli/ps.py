@@ -9,14 +9,25 @@ import time
 import typer
 
 from vsup.cli import options
+from vsup.diagnosis import device_memory, summary
+from vsup.memory import format_bytes
+from vsup.printer import tree_rows
 
 app = typer.Typer()
 
 
 @app.command()
 def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_json: options.Json = False,
-       watch: options.Watch = False, interval: options.Interval = 2.0) -> None:
-    """Show every process of the deployment: role, ranks, pid, state, uptime, restarts, last exit, CPU%, RSS, device.
+       watch: options.Watch = False, interval: options.Interval = 2.0, flat: options.Flat = False) -> None:
+    """Show the live process tree, as `vsup plan` draws it: each process's pid, state, uptime, restarts,
+    last exit, CPU%, RSS, device, device memory and what it is busy with (LOAD), then a one-line
+    diagnosis when something stands out (an API server that is the bottleneck, a full KV cache, an
+    idle DP rank).
+
+    LOAD: an API server's event-loop busy share and time spent tokenizing; an engine core's share of
+    time in steps, running and waiting requests and KV cache use; a worker's share of time in forward
+    passes; the coordinator's waves per second. DEV MEM: what a worker holds on its device (on the CPU,
+    its weights and KV cache).
 
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process
     of the tree that is somehow still running is shown as orphaned.
@@ -26,7 +37,7 @@ def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_
     run_dir = RunDir(name).require()
     if watch and not as_json:
         while True:  # like top: redraw in place until Ctrl-C
-            screen = render(snapshot(run_dir, replica))
+            screen = render(snapshot(run_dir, replica), flat)
             typer.echo("\x1b[H\x1b[2J" + screen if sys.stdout.isatty() else screen + "\n")
             try:
                 time.sleep(interval)
@@ -36,7 +47,7 @@ def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_
     if as_json:
         typer.echo(json.dumps(state, indent=2))
     else:
-        typer.echo(render(state))
+        typer.echo(render(state, flat))
 
 
 def snapshot(run_dir, replica: int | None = None) -> dict:
@@ -105,9 +116,9 @@ def still_running(pid: int, title: str) -> bool:
         return False
 
 
-def render(state: dict) -> str:
-    from vsup.memory import format_bytes
-
+def render(state: dict, flat: bool = False) -> str:
+    """The tree (as `plan` draws it) with each process's live columns, then the diagnoses; `flat`: one
+    table row per process, without the load and device memory."""
     sup = state["supervisor"]
     now = time.time()
     if sup["live"]:
@@ -117,19 +128,38 @@ def render(state: dict) -> str:
     else:
         head = (f"{sup['name']}: supervisor not running; last state ({sup['state']}) "
                 f"from state.json{': ' + sup['message'] if sup.get('message') else ''}")
-    columns = ("NAME", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "RSS", "DEVICE")
-    rows = []
-    for p in state["processes"]:
-        alive = p.get("pid") is not None and sup["live"]
-        rows.append((p["name"], str(p.get("pid") or "-"), p["state"],
-                     _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
-                     str(p.get("restarts", 0)), p.get("last_exit") or "-",
-                     f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
-                     format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-"))
-    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
-    lines = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if flat:
+        columns = ("NAME", *LIVE_COLUMNS)
+        rows = [(p["name"], *_live(p, sup["live"], now)) for p in state["processes"]]
+        return "\n".join([head, *_table(columns, rows)])
+    columns = ("NAME", *LIVE_COLUMNS, "DEV MEM", "LOAD")
+    root = ("supervisor (vsup serve)", str(sup["pid"]) if sup["live"] else "-", sup["state"],
+            _duration(now - sup["started_at"]) if sup["live"] else "-", *["-"] * (len(columns) - 4))
+    rows = [root]
+    for prefix, p in tree_rows(state["processes"], role=lambda p: p["role"], group=lambda p: (p.get("r"), p["dp"])):
+        memory = device_memory(p.get("load"))
+        rows.append((prefix + p["name"], *_live(p, sup["live"], now),
+                     format_bytes(memory) if memory else "-", summary(p["role"], p.get("load"))))
+    lines = [head, *_table(columns, rows)]
+    lines += state.get("diagnosis") or []
     return "\n".join(lines)
+
+
+LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "RSS", "DEVICE")
+
+
+def _live(p: dict, live: bool, now: float) -> tuple[str, ...]:
+    alive = p.get("pid") is not None and live
+    return (str(p.get("pid") or "-"), p["state"],
+            _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
+            str(p.get("restarts", 0)), p.get("last_exit") or "-",
+            f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
+            format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-")
+
+
+def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
 
 
 def _duration(seconds: float) -> str:

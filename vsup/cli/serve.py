@@ -160,6 +160,7 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
 
         supervisor = VllmSupervisor(the_plan, run_dir, run, router, vllm)
     router.sinks.append(supervisor.on_record)
+    router.on_load = supervisor.on_load
     router.start()
     try:
         code = supervisor.run()

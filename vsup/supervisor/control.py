@@ -16,6 +16,8 @@ import time
 
 import psutil
 
+from vsup.diagnosis import diagnose, load_figures
+
 MAX_REQUEST_BYTES = 64 << 10
 REQUEST_TIMEOUT_S = 2.0
 
@@ -60,13 +62,16 @@ class ControlServer:
         return {"error": f"unknown command {cmd!r}"}
 
     def ps(self) -> dict:
-        """The snapshot plus what psutil sees of each live process: CPU% since the last ps, RSS."""
+        """The snapshot plus what psutil sees of each live process (CPU% since the last ps, RSS), what it
+        last reported it is busy with (`load`), and the diagnosis of it all."""
         state = self.supervisor.snapshot()
+        now = time.time()
         for p in state["processes"]:
             pid = p.get("pid")
             p["cpu_percent"] = p["rss_bytes"] = None
             if pid is None:
                 continue
+            p["load"] = load_figures(self.supervisor.loads.get(p["name"]), pid, now)
             try:
                 proc = self.procs.get(pid) or self.procs.setdefault(pid, psutil.Process(pid))
                 with proc.oneshot():
@@ -74,6 +79,7 @@ class ControlServer:
                     p["rss_bytes"] = proc.memory_info().rss
             except psutil.Error:
                 pass
+        state["diagnosis"] = diagnose(state["processes"])
         return state
 
     def close(self) -> None:

@@ -12,11 +12,17 @@ from datetime import datetime, timezone
 # the child's own copies of these are replaced by the pipe's tag
 TAG_FIELDS = ("name", "role", "a", "dp", "pp", "tp", "pid")
 LEVELS = ("debug", "info", "warning", "error", "critical")
+LOAD_LOGGER = "vsup.load"  # a child's load reports (engine/load.py): kept for `vsup ps`, never written to the logs
 COLORS = {"api-server": 36, "engine-core": 35, "worker": 33, "coordinator": 34, "supervisor": 32}
 
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def is_load_report(record: dict) -> bool:
+    """Whether a tagged record is a child's load report rather than a log line."""
+    return record.get("event") == "load" and record.get("logger") == LOAD_LOGGER and record.get("stream") == "stdout"
 
 
 def tag_line(line: str, stream: str, tag: dict) -> dict:

@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vsup.supervisor.log_format import render, supervisor_record, tag_line
+from vsup.supervisor.log_format import is_load_report, render, supervisor_record, tag_line
 
 LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
 ROTATE_BYTES = 16 << 20
@@ -106,6 +106,7 @@ class LogRouter(threading.Thread):
         self.stopping = False
         self.open_pipes = 0
         self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
+        self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
     def emit(self, record: dict) -> None:
         with self.lock:
@@ -204,6 +205,9 @@ class LogRouter(threading.Thread):
         if not line.strip() or stream == DROP:
             return
         record = self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag else tag_line(line, stream, tag)
+        if self.on_load is not None and is_load_report(record):
+            self.on_load(record)
+            return
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON

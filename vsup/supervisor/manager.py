@@ -67,6 +67,7 @@ class Supervisor:
         os.set_blocking(self.wake_w, False)
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.ready_events: deque[str] = deque()
+        self.loads: dict[str, dict] = {}  # process name -> its last load report (engine/load.py)
         self.control = ControlServer(str(run_dir.control_socket), self)
         self.selector.register(self.control.sock, selectors.EVENT_READ, "control")
         self.notifier = notify.CoreNotifier(run_dir)
@@ -75,6 +76,10 @@ class Supervisor:
 
     def log(self, event: str, level: str = "info", **fields) -> None:
         self.router.emit(supervisor_record(event, level, **fields))
+
+    def on_load(self, record: dict) -> None:
+        """Called on the router's thread for every child's load report: the last one is kept for ps."""
+        self.loads[record["name"]] = {**record, "received_at": time.time()}
 
     def on_record(self, record: dict) -> None:
         """Called on the router's thread for every line: READY reports wake the main loop."""
