@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -24,10 +25,24 @@ def test_ps_shows_exactly_the_plan(serve, model, flags):
                                      capture_output=True, text=True).stdout)
     assert [p["name"] for p in state["processes"]] == [p["name"] for p in plan["processes"]]
     assert len(complete(s.client, "hello", n=8, stream=False)) > 0
+    drawn = subprocess.run([*VSUP, "plan", model, "--device", "cpu", *flags], capture_output=True, text=True).stdout
+    assert tree_of(s.vsup("ps").stdout) == tree_of(drawn)  # the same glyphs, names and nesting
     pids = list(s.pids().values())
     code, out, err = s.stop()
     assert code == 0, err
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
+def tree_of(text: str) -> list[str]:
+    """The tree's rows (glyphs and name) of `vsup plan`'s or `vsup ps`'s output, from its root on."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("supervisor (vsup serve)"))
+    rows = ["supervisor (vsup serve)"]
+    for line in lines[start + 1:]:
+        if not line.startswith(("├", "└", "│", "    ")):
+            break
+        rows.append(re.match(r"^(.*?\S)(?:\s{2,}|$)", line)[1])
+    return rows
 
 
 def test_chaos_every_request_finishes_with_the_same_tokens(serve):
