@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = [  # bottom first; a module belongs to the entry that is the longest prefix of its name
     ["engine.wire"],                                            # every message that crosses a process boundary
-    ["engine.log", "engine.process", "engine.args", "engine.progress", "engine.cluster", "engine.load"],  # every process
+    # what each process does
+    ["engine.log", "engine.process", "engine.args", "engine.progress", "engine.cluster", "engine.load"],
     ["engine.model.config", "engine.model.default_model"],     # the model as config.json says, without torch
     ["engine.ring", "engine.distributed", "engine.ops"],        # steps, tensors and kernels between processes
     ["engine.model", "engine.sampling"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vsup.topology import ENGINE_CORE, WORKER, Plan, ProcessSpec
+from vsup.topology import ENGINE_CORE, WORKER, Plan
 
 if TYPE_CHECKING:
     from vsup.memory import MemoryPlan

@@ -70,6 +70,18 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def drain(self) -> None:
+        """Finish what runs and start nothing new (a restart by hand is coming)."""
+        self.scheduler.admitting = False
+
+    @property
+    def draining(self) -> bool:
+        return not self.scheduler.admitting
+
+    def is_drained(self) -> bool:
+        """Draining, and nothing left running: what waits goes on after the restart."""
+        return self.draining and not self.has_work()
+
     # the step
 
     def step(self) -> list[RequestUpdate]:
@@ -125,6 +137,7 @@ class EngineCore:
         """A new worker group is ready: size the cache to it and go on; requests that no
         longer fit finish with an error."""
         self.executor = executor
+        self.scheduler.admitting = True  # a drain was for restarting the workers: it is done
         return self.scheduler.preempt_all(executor.num_blocks)
 
     def close(self) -> None:

@@ -30,8 +30,8 @@ from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.load import LoadMeter, report_to_supervisor
 from engine.model.config import ModelConfig
 from engine.wire.decoder import Decoder
-from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Failed, Hello, Outputs, Ready, Refused,
-                                  RequestUpdate, Shutdown, UtilityCall, UtilityResult, WorkersLost,
+from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Drain, Failed, Hello, Outputs, Ready,
+                                  Refused, RequestUpdate, Shutdown, UtilityCall, UtilityResult, WorkersLost,
                                   control, encoder, from_waves, to_core)
 
 log = structlog.get_logger("engine-core")
@@ -82,6 +82,7 @@ class EngineCoreProc:
             cluster.connect(self.waves, args.wave_address)
         self.follower = WaveFollower(self.dp_rank)
         self.meter = LoadMeter()
+        self.said_drained = False
         self.gauges_at = 0.0
         self.last_counters: tuple[int, int, int] | None = None
         self.last_load_at = 0.0
@@ -156,6 +157,8 @@ class EngineCoreProc:
                 except WorkerGroupFailed as e:
                     self.lose_workers(str(e))
             self.measure()
+            if self.core.draining:
+                self.say_drained()
             heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
             self.report_load(force=heartbeat)
             if heartbeat:
@@ -195,6 +198,12 @@ class EngineCoreProc:
         for msg in pending(self.waves, from_waves, "coordinator waves"):
             if self.follower.on_wave(msg):
                 self.report_wave()
+
+    def say_drained(self) -> None:
+        """Once a drain has finished what ran: the supervisor waits for this event to restart."""
+        if not self.said_drained and self.core.is_drained():
+            log.info("drained", num_waiting=self.core.stats().num_waiting)
+            self.said_drained = True
 
     def measure(self) -> None:
         """The gauges `vsup ps` shows (engine/load.py), at most every GAUGES_S."""
@@ -243,6 +252,11 @@ class EngineCoreProc:
             if isinstance(msg, Shutdown):
                 log.info("stopping")
                 raise SystemExit(0)
+            if isinstance(msg, Drain) and self.core is not None:
+                log.info("draining: the running requests finish, the waiting ones wait for the restart",
+                         num_running=self.core.stats().num_running, num_waiting=self.core.stats().num_waiting)
+                self.core.drain()
+                self.said_drained = False
             if isinstance(msg, WorkersLost) and self.core is not None and self.core.executor is not None:
                 raise WorkerGroupFailed(f"the supervisor says: {msg.reason or 'workers lost'}")
 

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []         # in admission order: the newest is preempted first
         self.num_preemptions = 0                 # by KV pressure; preempt_all() does not count
+        self.admitting = True                    # False while draining: running requests finish, none starts
         self._step_id = 0
         self._inflight_step_ids: set[int] = set()  # several with pipeline parallelism
         self._finished_req_ids: list[str] = []   # for the workers to drop, sent with the next step
@@ -72,8 +73,8 @@ class Scheduler:
         return updates
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is still waiting or running."""
-        return bool(self.requests)
+        """Whether any request is still waiting or running (while draining: running)."""
+        return bool(self.running) if not self.admitting else bool(self.requests)
 
     def stats(self) -> SchedulerStats:
         """Queue lengths, KV use, prefix-cache and preemption counters, now."""
@@ -116,7 +117,7 @@ class Scheduler:
             i += 1
 
         # waiting: admitted in order, never past a preemption this step
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        while (self.admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.num_preemptions == num_preemptions_before):
             request = self.waiting[0]
             num_new = min(request.num_tokens - bm.num_cached_tokens(request), budget)

@@ -165,7 +165,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     that joins the new one)."""
 
 
-ToControl = WorkersLost | Shutdown
+class Drain(msgspec.Struct, tag="drain"):
+    """Finish the running requests and start no new one; say "drained" (a log event) when none runs. The
+    supervisor then restarts the core or its workers (`vsup restart`); what waits goes on after."""
+
+
+ToControl = WorkersLost | Shutdown | Drain
 control = Decoder(ToControl)
 
 

@@ -221,9 +221,9 @@ def test_a_rank_past_max_restarts_is_marked_failed_and_routed_around(serve):
     assert s.stop()[0] == 0
 
 
-def test_restart_of_a_worker_by_hand_takes_the_crash_path_and_loses_nothing(serve):
-    """`vsup restart --role worker --dp 0` under 8 streams: the worker group restarts as after a crash,
-    counted, and every stream completes with the fault-free text."""
+def test_restart_of_a_worker_by_hand_drains_first_and_loses_nothing(serve):
+    """`vsup restart --role worker --dp 0` under 8 streams: the core finishes its running requests, then
+    the worker group restarts (exit 0, counted), and every stream completes with the fault-free text."""
     s = serve()
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(8)]
@@ -235,7 +235,43 @@ def test_restart_of_a_worker_by_hand_takes_the_crash_path_and_loses_nothing(serv
         result = s.vsup("restart", "--role", "worker", "--dp", "0")
         assert result.returncode == 0, result.stderr
     assert complete_all(s.client, prompts, n=LONG, during=restart) == reference
-    state = s.wait_serving()
-    worker = next(p for p in state["processes"] if p["name"] == "worker dp0 pp0 tp0")
-    assert worker["restarts"] == 1 and worker["pid"] != before
+
+    def restarted():
+        worker = next(p for p in s.ps()["processes"] if p["name"] == "worker dp0 pp0 tp0")
+        return worker["restarts"] == 1 and worker["state"] == "ready" and worker
+    worker = wait_for(restarted, timeout=60, what="the worker group restarted")
+    assert worker["pid"] != before and worker["last_exit"] == "exit 0"
+    events = [json.loads(line) for line in s.vsup("logs", "--json").stdout.splitlines()]
+    said = [r["event"] for r in events if r["event"] in ("draining", "drained", "restarting gracefully")]
+    assert said[:3] == ["draining", "drained", "restarting gracefully"], said  # drained, then restarted
+    assert s.stop()[0] == 0
+
+
+def test_restart_of_the_api_servers_drains_one_at_a_time_and_fails_nothing(serve):
+    """`vsup restart --role api-server` with two API servers under 16 streams: each stops taking
+    connections, finishes its own streams and restarts (exit 0, counted), the second only once the first
+    is back, so the port always has a listener; every stream completes with the fault-free text."""
+    s = serve("--api-server-count", "2")
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(16)]
+    reference = complete_all(s.client, prompts, n=LONG)
+    before = s.pids()
+
+    def restart(streams):
+        mid_stream(streams, "vsup restart")
+        result = s.vsup("restart", "--role", "api-server")
+        assert result.returncode == 0 and "api-server a0, api-server a1" in result.stdout, result.stderr
+    assert complete_all(s.client, prompts, n=LONG, during=restart) == reference
+
+    def restarted():
+        servers = [p for p in s.ps()["processes"] if p["role"] == "api-server"]
+        return all(p["restarts"] == 1 and p["state"] == "ready" for p in servers) and servers
+    for server in wait_for(restarted, timeout=120, what="both API servers restarted"):
+        assert server["last_exit"] == "exit 0" and server["pid"] != before[server["name"]]
+    events = [json.loads(line) for line in s.vsup("logs", "--role", "supervisor", "--json").stdout.splitlines()]
+    order = [(r["event"], r.get("process")) for r in events if r["event"] in ("restarting gracefully", "ready")
+             and str(r.get("process")).startswith("api-server")]
+    assert order[-4:] == [("restarting gracefully", "api-server a0"), ("ready", "api-server a0"),
+                          ("restarting gracefully", "api-server a1"), ("ready", "api-server a1")], order
+    assert len(complete_all(s.client, prompts[:4], n=8)) == 4  # and serving after
     assert s.stop()[0] == 0

@@ -111,11 +111,11 @@ def test_dead_worker_restarts_its_whole_group_and_ps_counts_it(home):
         stop(proc)
 
 
-def test_restart_command_takes_the_crash_path(home):
+def test_restart_now_takes_the_crash_path(home):
     proc = start("again", tp=1)
     try:
         before = tree_pids(serving("again"))
-        result = vsup("restart", "--name", "again", "--role", "engine-core", "--dp", "0")
+        result = vsup("restart", "--name", "again", "--role", "engine-core", "--dp", "0", "--now")
         assert result.returncode == 0 and "engine-core dp0" in result.stdout
         after = tree_pids(wait_for(lambda: (s := ps("again"))["supervisor"]["state"] == "serving" and all(
             p["state"] == "ready" and p["restarts"] == 1 for p in s["processes"] if p["role"] != "api-server") and s))

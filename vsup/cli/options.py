@@ -237,5 +237,6 @@ Follow = Annotated[bool, _option("-f", "--follow", help="Keep printing new lines
 StopWait = Annotated[float, _option("--timeout", envvar="VSUP_STOP_WAIT",
                                     help="Seconds `vsup stop` waits for the tree to end.")]
 Watch = Annotated[bool, _option("-w", "--watch", help="Refresh in place until Ctrl-C, like top.")]
+Now = Annotated[bool, _option("--now", help="Restart at once, the way a crash would, without draining first.")]
 Flat = Annotated[bool, _option("--flat", help="One table row per process instead of the tree (no load column).")]
 Interval = Annotated[float, _option("--interval", help="Seconds between refreshes with --watch.")]

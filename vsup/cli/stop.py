@@ -44,8 +44,14 @@ def supervisor_alive(pid: int | None) -> bool:
 
 @app.command()
 def restart(role: options.Role = None, dp: options.DpRank = None, replica: options.ReplicaIndex = None,
-            rolling: options.Rolling = False, name: options.Name = "default") -> None:
-    """Restart processes of a role the way a crash would: with their whole unit (a worker restarts its group).
+            rolling: options.Rolling = False, now: options.Now = False, name: options.Name = "default") -> None:
+    """Restart processes of a role with their whole unit (a worker restarts its group), each drained first.
+
+    An API server stops taking connections, finishes its open requests within the --drain-timeout it
+    was served with, and restarts; with several, one at a time, so the others serve throughout. An engine core (or a
+    worker's group) finishes its running requests first; what waits goes on after the restart.
+    --now restarts at once, the way a crash would (no request is lost then either: they are
+    recomputed, but an API server's own connections drop).
 
     With --engine vllm a unit is a whole vLLM tree (of --replica); --rolling restarts every replica in turn,
     each drained first, losing no request and keeping the others serving.
@@ -63,7 +69,7 @@ def restart(role: options.Role = None, dp: options.DpRank = None, replica: optio
         raise UsageError(f"--rolling and --replica are for --engine vllm; {name!r} runs vsup's own engine")
     try:
         answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp,
-                                                       "replica": replica, "rolling": rolling})
+                                                       "replica": replica, "rolling": rolling, "now": now})
     except OSError:
         typer.echo(f"deployment {name!r} is not running", err=True)
         raise typer.Exit(1) from None

@@ -57,7 +57,8 @@ class ControlServer:
             return {"ok": True, "pid": os.getpid()}
         if cmd == "restart":
             restarted = self.supervisor.request_restart(request.get("role"), request.get("dp"),
-                                                        request.get("replica"), bool(request.get("rolling")))
+                                                        request.get("replica"), bool(request.get("rolling")),
+                                                        now=bool(request.get("now")))
             return {"ok": bool(restarted), "units": restarted}
         return {"error": f"unknown command {cmd!r}"}
 

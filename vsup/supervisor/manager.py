@@ -17,6 +17,7 @@ from vsup.rundir import RunDir
 from vsup.supervisor import notify, units
 from vsup.supervisor.child import Child
 from vsup.supervisor.control import ControlServer
+from vsup.supervisor.graceful import GracefulRestarts, Phase
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
 from vsup.supervisor.restart_policy import RestartPolicy, RestartState
@@ -44,7 +45,9 @@ class Unit:
         self.state = UnitState.RUNNING
         self.restart_at: float | None = None
         self.started_at = time.monotonic()
-        self.requested = False
+        self.requested = False  # its next exit was asked for (vsup restart): it restarts at once
+        self.phase: str | None = None  # a graceful restart under way (graceful.py), and until when
+        self.phase_until = 0.0
 
 
 class Supervisor:
@@ -68,6 +71,7 @@ class Supervisor:
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.ready_events: deque[str] = deque()
         self.loads: dict[str, dict] = {}  # process name -> its last load report (engine/load.py)
+        self.graceful = GracefulRestarts(self)
         self.control = ControlServer(str(run_dir.control_socket), self)
         self.selector.register(self.control.sock, selectors.EVENT_READ, "control")
         self.notifier = notify.CoreNotifier(run_dir)
@@ -86,6 +90,9 @@ class Supervisor:
         if record.get("event") == "ready" and record.get("stream") == "stdout":
             self.ready_events.append(record["name"])
             os.write(self.wake_w, b"r")
+        elif record.get("event") == "drained" and record.get("stream") == "stdout":
+            self.graceful.drained.append(record["name"])
+            os.write(self.wake_w, b"d")
 
     # the loop
 
@@ -108,8 +115,10 @@ class Supervisor:
         return self.state in (DeploymentState.STOPPING, DeploymentState.STOPPED, DeploymentState.FAILED)
 
     def next_timer(self) -> float:
-        waits = [u.restart_at - time.monotonic() for u in self.units.values() if u.state == UnitState.BACKOFF]
-        return max(0.0, min([1.0, *waits]))
+        now = time.monotonic()
+        waits = [u.restart_at - now for u in self.units.values() if u.state == UnitState.BACKOFF]
+        phase_until = self.graceful.next_wake()
+        return max(0.0, min([1.0, *waits, *([phase_until - now] if phase_until is not None else [])]))
 
     def tick(self, timeout: float | None) -> None:
         for key, _ in self.selector.select(timeout):
@@ -121,6 +130,7 @@ class Supervisor:
                 self.on_exit(key.data)
         while self.ready_events:
             self.on_ready(self.ready_events.popleft())
+        self.graceful.tick()
         now = time.monotonic()
         for unit in self.units.values():
             if unit.state == UnitState.BACKOFF and now >= unit.restart_at and not self.stopping:
@@ -168,6 +178,8 @@ class Supervisor:
             self.state = DeploymentState.SERVING
             self.log(f"serving {self.options.model} on {self.options.url}")
             notify.sd_notify("READY=1")
+        if self.graceful.waiting:
+            self.graceful.next_api_server()
         self.save()
 
     # deaths and restarts
@@ -193,15 +205,16 @@ class Supervisor:
             return  # we ended it ourselves, as part of restarting or failing its unit
         self.log("process exited", "warning" if unit.requested else "error", process=child.spec.name,
                  pid=child.pid, exit=child.last_exit)
-        for other in unit.children:
-            other.signal(signal.SIGKILL)  # a TP/PP group cannot go on without one of its ranks
+        if unit.phase != Phase.ENDING:  # (a graceful restart's SIGTERM ends the others by themselves)
+            for other in unit.children:
+                other.signal(signal.SIGKILL)  # a TP/PP group cannot go on without one of its ranks
         if child.spec.role == WORKER:  # (a dead core restarts with its group: nobody to tell)
             self.notifier.workers_lost(child.spec.dp, f"{child.spec.name} {child.last_exit}")
         if not unit.restart.wants_restart(code, unit.requested):
             self.fail_unit(unit, child, f"{child.last_exit}; --restart-policy {unit.restart.policy.policy}")
             return
-        delay = unit.restart.next_delay(time.monotonic(), unit.started_at)
-        unit.requested = False
+        delay = unit.restart.next_delay(time.monotonic(), unit.started_at, requested=unit.requested)
+        unit.requested, unit.phase = False, None
         if delay is None:
             policy = unit.restart.policy
             self.fail_unit(unit, child, f"{policy.max_restarts} restarts within {policy.window_s:g} s")
@@ -221,16 +234,20 @@ class Supervisor:
             child.restarts += 1
         self.start(unit.children)
 
-    def request_restart(self, role: str, dp: int | None, replica: int | None = None,
-                        rolling: bool = False) -> list[str]:
-        """`vsup restart`: the same path as a crash, for every unit of `role` (and DP rank). (Replicas
-        and rolling restarts are vLLM's: `vsup restart` refuses them here.)"""
+    def request_restart(self, role: str, dp: int | None, replica: int | None = None, rolling: bool = False,
+                        now: bool = False) -> list[str]:
+        """`vsup restart`: every unit of `role` (and DP rank), each drained first (graceful.py); `now`: the
+        same path as a crash. (Replicas and rolling restarts are vLLM's: `vsup restart` refuses them here.)"""
         victims = [c for c in self.children if c.spec.role == role and (dp is None or c.spec.dp == dp) and c.alive]
-        chosen = {c.unit for c in victims if self.units[c.unit].state == UnitState.RUNNING}
-        for child in victims:
-            if child.unit in chosen:
-                self.units[child.unit].requested = True
-                child.signal(signal.SIGKILL)
+        chosen = list(dict.fromkeys(c.unit for c in victims if self.units[c.unit].state == UnitState.RUNNING
+                                    and self.units[c.unit].phase is None))
+        if now:
+            for child in victims:
+                if child.unit in chosen:
+                    self.units[child.unit].requested = True
+                    child.signal(signal.SIGKILL)
+        else:
+            self.graceful.request(chosen)
         return sorted(map(str, chosen))
 
     def fail_unit(self, unit: Unit, child: Child, why: str) -> None:

@@ -53,14 +53,22 @@ class CoreNotifier:
             self.socks[dp] = sock
 
     def workers_lost(self, dp: int, reason: str) -> None:
+        self._send(dp, {"type": "workers_lost", "reason": reason})
+
+    def drain(self, dp: int) -> bool:
+        """Ask core `dp` to finish what runs and start nothing new; False when it is not there to ask."""
+        return self._send(dp, {"type": "drain"})
+
+    def _send(self, dp: int, message: dict) -> bool:
         import msgspec
         import zmq
 
         self.connect(dp)
         try:
-            self.socks[dp].send(msgspec.msgpack.encode({"type": "workers_lost", "reason": reason}), zmq.NOBLOCK)
+            self.socks[dp].send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
+            return True
         except zmq.Again:
-            pass  # the core is not there (gone, or not started yet); it finds out by itself
+            return False  # the core is not there (gone, or not started yet); it finds out by itself
 
     def close(self) -> None:
         for sock in self.socks.values():

@@ -47,8 +47,12 @@ class RestartState:
             return False
         return self.policy.policy == "always" or exit_code != 0
 
-    def next_delay(self, now: float, started_at: float) -> float | None:
-        """Seconds to wait before the next start, or None when the start limit is reached."""
+    def next_delay(self, now: float, started_at: float, requested: bool = False) -> float | None:
+        """Seconds to wait before the next start, or None when the start limit is reached. A restart asked
+        for (`vsup restart`) starts at once and counts only in the total, never toward the limit."""
+        if requested:
+            self.total += 1
+            return 0.0
         if now - started_at >= self.policy.reset_after_s:
             self.backoff_s = 0.0  # it ran healthily for long enough: start over
         while self.restarts and now - self.restarts[0] > self.policy.window_s:

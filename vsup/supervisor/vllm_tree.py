@@ -503,7 +503,7 @@ class VllmSupervisor(Supervisor):
         self.start_tree(tree)
 
     def request_restart(self, role: str | None, dp: int | None, replica: int | None = None,
-                        rolling: bool = False) -> list[str]:
+                        rolling: bool = False, now: bool = False) -> list[str]:
         """`vsup restart --role R`: each tree (of --replica) that has an R, counted under R, the way a crash
         would (the front: itself alone, after it drained). `--rolling`: every tree in turn, each drained
         first and none before the last is serving again."""

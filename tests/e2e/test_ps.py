@@ -1,0 +1,102 @@
+"""`vsup ps` answering "why is it slow": what each process is busy with and the diagnosis, made true for
+real (a tokenizer that cannot keep up, a KV cache too small), and `ps -w` refreshing the tree in place."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.served import VSUP, Streams
+from tests.polling import wait_for
+
+
+def diagnosis(s, starts: str):
+    state = s.ps()
+    return state and next((line for line in state.get("diagnosis", []) if line.startswith(starts)), None) and state
+
+
+def test_a_tokenizer_that_cannot_keep_up_is_named_as_the_bottleneck(serve):
+    """Three clients post long texts to /tokenize without pause while two streams decode, through one
+    API server: its tokenizing takes all its time while the engine core mostly waits for work."""
+    s = serve()
+    s.wait_serving()
+    text = "the quick brown fox jumps over the lazy dog " * 4000  # 180 KB a request
+    stop = threading.Event()
+
+    def post():
+        with httpx.Client(base_url=s.url, timeout=60) as http:
+            while not stop.is_set():
+                assert http.post("/tokenize", json={"prompt": text}).status_code == 200
+
+    clients = [threading.Thread(target=post) for _ in range(3)]
+    for t in clients:
+        t.start()
+    streams = Streams(s.client, ["a story", "another story"], n=200)
+    try:
+        state = wait_for(lambda: diagnosis(s, "api-server a0 is the bottleneck"), timeout=60,
+                         what="ps naming the API server as the bottleneck")
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=60)
+        streams.join()
+    line = next(line for line in state["diagnosis"] if line.startswith("api-server a0"))
+    assert "busy tokenising while engine-core dp0 steps" in line and line.endswith("add --api-server-count"), line
+    server = next(p for p in state["processes"] if p["name"] == "api-server a0")
+    core = next(p for p in state["processes"] if p["name"] == "engine-core dp0")
+    assert server["load"]["busy"]["tokenize"] >= 0.8 and core["load"]["busy"].get("step", 0) < 0.5, state
+    assert "tokenizing" in s.vsup("ps").stdout  # the LOAD column says it too
+    assert s.stop()[0] == 0
+
+
+def test_a_full_kv_cache_with_requests_waiting_is_diagnosed(serve):
+    """A KV cache of 1 MiB (1,024 tokens of the tiny model) under 24 long streams: the cache fills, the
+    rest wait, and ps says to raise --kv-cache-memory."""
+    s = serve(kv_cache_memory="1MiB")
+    s.wait_serving()
+    streams = Streams(s.client, [f"story {i}" for i in range(24)], n=200)
+    try:
+        state = wait_for(lambda: diagnosis(s, "KV cache full"), timeout=60, what="ps naming the full KV cache")
+    finally:
+        streams.join()
+    line = next(line for line in state["diagnosis"] if line.startswith("KV cache full"))
+    assert line.endswith("requests waiting: raise --kv-cache-memory"), line
+    core = next(p for p in state["processes"] if p["name"] == "engine-core dp0")["load"]
+    assert core["kv_cache_usage"] >= 0.95 and core["num_waiting"] > 0
+    assert all(isinstance(t, str) for t in streams.texts())  # full, not failing: every stream completes
+    assert s.stop()[0] == 0
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (the CI image has it)")
+def test_ps_watch_redraws_the_tree_in_place_under_tmux(serve):
+    """`vsup ps -w` in a real terminal (tmux): the screen holds one tree, and it changes as the
+    deployment does (a stream starts: the worker's forward share and the core's running count move)."""
+    s = serve("-tp", "2")
+    s.wait_serving()
+    session = f"vsup-ps-{s.port}"
+    command = " ".join([*VSUP, "ps", "-w", "--interval", "0.5", "--name", s.name])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "40",
+                    f"env VSUP_HOME={s.home} {command}"], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+    try:
+        idle = wait_for(lambda: (text := screen()) and "└── engine-core dp0" in text and text, timeout=30,
+                        what="the tree on the screen")
+        assert idle.count("supervisor (vsup serve)") == 1  # redrawn in place, not scrolled
+        assert "├── worker dp0 pp0 tp0" in idle and "└── worker dp0 pp0 tp1" in idle
+        streams = Streams(s.client, [f"story {i}" for i in range(4)], n=200)
+        busy = wait_for(lambda: (text := screen()) != idle and "4 running" in text and text, timeout=30,
+                        what="the screen showing the streams")
+        streams.join()
+        assert busy.count("supervisor (vsup serve)") == 1
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        time.sleep(0.2)
+    assert s.stop()[0] == 0
