@@ -42,6 +42,42 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
+def gpu_processes() -> list[dict]:
+    """Every process holding memory on a GPU this node sees: {"pid", "gpu" (its cuda:N index as the
+    deployment numbers them), "bytes"}; [] where nvidia-smi cannot tell."""
+    gpus = _nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
+    if not gpus:
+        return []
+    apps = _nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits")
+    return parse_gpu_processes(gpus, apps, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_gpu_processes(gpus_csv: str, apps_csv: str, visible: str | None = None) -> list[dict]:
+    """nvidia-smi's GPUs (index, uuid) and compute apps (pid, gpu uuid, MiB) as `gpu_processes` gives them;
+    with CUDA_VISIBLE_DEVICES (`visible`: indices or uuids), the index is the position in it, and GPUs
+    outside it are left out."""
+    physical = {}
+    for line in gpus_csv.splitlines():
+        index, _, uuid = (part.strip() for part in line.partition(","))
+        if index.isdigit():
+            physical[uuid] = int(index)
+    order = [v.strip() for v in visible.split(",")] if visible else None
+    found = []
+    for line in apps_csv.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in physical:
+            continue
+        gpu = physical[parts[1]]
+        if order is not None:
+            position = next((i for i, v in enumerate(order) if v in (str(gpu), parts[1])), None)
+            if position is None:
+                continue
+            gpu = position
+        mib = int(parts[2]) if parts[2].isdigit() else 0
+        found.append({"pid": int(parts[0]), "gpu": gpu, "bytes": mib * 2**20})
+    return found
+
+
 def resolve_device(device: str) -> str:
     """`auto` becomes cuda when a GPU is visible, else cpu."""
     if device == "auto":

@@ -36,7 +36,7 @@ ROLES = ("api-server", "engine-core", "worker", "coordinator")
 class Metrics:
     """The counters and histograms the generation routes feed, and the engine stats collector."""
 
-    def __init__(self, client, state_file: str | None = None):
+    def __init__(self, client, state_file: str | None = None, supervisor_socket: str | None = None):
         self.client = client
         self.state_file = state_file
         self.registry = CollectorRegistry(auto_describe=True)
@@ -61,6 +61,8 @@ class Metrics:
             for role in ROLES:
                 self.restarts.labels(role=role)  # every role shows, at 0, before its first restart
         r.register(EngineStatsCollector(client))
+        if supervisor_socket:
+            r.register(ProcessLoadCollector(supervisor_socket))
 
     # what the routes report
 
@@ -155,3 +157,25 @@ class SupervisorRestartsCollector(Collector):
         for role, count in restarts.items():
             family.add_metric([role], count)
         yield family
+
+
+class ProcessLoadCollector(Collector):
+    """What each process of the tree is busy with, as `vsup ps` shows it, asked of the supervisor at scrape
+    time: `vsup_process_busy_ratio{process, role, kind}` (the share of its last 2 s spent on `kind`: an API
+    server's loop and tokenize, an engine core's step, a worker's forward) and
+    `vsup_process_events_per_second{process, role, kind}` (the coordinator's waves)."""
+
+    def __init__(self, control_socket: str):
+        self.control_socket = control_socket
+
+    def collect(self):
+        busy = GaugeMetricFamily("vsup_process_busy_ratio", "Share of the process's last report window spent "
+                                 "on a kind of work.", labels=["process", "role", "kind"])
+        rates = GaugeMetricFamily("vsup_process_events_per_second", "Events per second in the process's last "
+                                  "report window.", labels=["process", "role", "kind"])
+        for name, load in sorted(supervisor_state.loads(self.control_socket).items()):
+            for kind, share in (load.get("busy") or {}).items():
+                busy.add_metric([name, str(load.get("role")), kind], float(share))
+            for kind, rate in (load.get("rates") or {}).items():
+                rates.add_metric([name, str(load.get("role")), kind], float(rate))
+        yield from (busy, rates)

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-address", default=None, help="in-process mode, TP x PP > 1: where workers connect")
     p.add_argument("--ring-prefix", default=None, help="in-process mode, TP x PP > 1: the step ring's name prefix")
     p.add_argument("--wakeup-address", default=None, help="in-process mode, TP x PP > 1: the ring's wakeup socket")
+    p.add_argument("--supervisor-socket", default=None,
+                   help="the supervisor's control socket: what each process is busy with, for /metrics")
     p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics, ranks it gave up on for /health")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
@@ -119,7 +121,7 @@ def build(args: argparse.Namespace, before_serving=None):
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
             ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address))
-    metrics = Metrics(client, state_file=args.state_file)
+    metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
                       max_model_len=args.max_model_len or model_config.max_model_len,
                       vocab_size=model_config.vocab_size, metrics=metrics)

@@ -1,11 +1,13 @@
-"""What an API server reads of the supervisor's state.json (`--state-file`): the restarts per role for
-/metrics, and the DP ranks vsup gave up restarting, for /health. The file is the supervisor's, written
-whole on every change; the engine never imports vsup."""
+"""What an API server reads of the supervisor: from its state.json (`--state-file`) the restarts per role
+for /metrics and the DP ranks vsup gave up restarting, for /health; from its control socket
+(`--supervisor-socket`) what each process of the tree last said it is busy with. The file is the
+supervisor's, written whole on every change; the engine never imports vsup."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 
 _RANK_UNIT = re.compile(r"(?:engine-core|worker-group) dp(\d+)")
 
@@ -40,3 +42,25 @@ def failed_ranks(state: dict) -> dict[int, str]:
             failed[int(match.group(1))] = f"vsup gave up restarting {name} after {unit.get('restarts', 0)} " \
                                           f"restarts (--max-restarts)"
     return failed
+
+
+def loads(control_socket: str | None, timeout_s: float = 0.5) -> dict[str, dict]:
+    """{process name: its last load report (role, busy shares, rates)}, asked of the supervisor now; {}
+    when it does not answer within `timeout_s`."""
+    if not control_socket:
+        return {}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(control_socket)
+            sock.sendall(b'{"cmd": "loads"}\n')
+            answer = b""
+            while not answer.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        found = json.loads(answer).get("loads")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return found if isinstance(found, dict) else {}

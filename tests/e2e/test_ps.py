@@ -3,16 +3,21 @@ real (a tokenizer that cannot keep up, a KV cache too small), and `ps -w` refres
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.served import VSUP, Streams
 from tests.polling import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def diagnosis(s, starts: str):
@@ -99,4 +104,35 @@ def test_ps_watch_redraws_the_tree_in_place_under_tmux(serve):
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
         time.sleep(0.2)
+    assert s.stop()[0] == 0
+
+
+def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
+    """docs/grafana/vsup-dashboard.json: every metric its panels query, and every label they group by, is
+    in a real /metrics scrape of a DP=2 deployment that served requests."""
+    dashboard = json.loads((REPO / "docs" / "grafana" / "vsup-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    s = serve("-dp", "2")
+    s.wait_serving()
+    assert Streams(s.client, [f"story {i}" for i in range(4)], n=16).texts()
+
+    def scrape() -> dict[str, set[str]]:
+        labels: dict[str, set[str]] = {}
+        for line in httpx.get(f"{s.url}/metrics", timeout=30).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, rest = line.partition("{")
+                labels.setdefault(name.split(" ")[0], set()).update(
+                    re.findall(r'(\w+)="', rest.partition("}")[0]) if rest else ())
+        return labels
+    # what the processes are busy with reaches /metrics with their first load reports (every 2 s)
+    found = wait_for(lambda: (m := scrape()) and {"vsup_process_busy_ratio", "vsup_process_events_per_second"} <= m.keys()
+                     and m, timeout=30, what="the processes' load in /metrics")
+    for expr in exprs:
+        for metric in re.findall(r"\b(vsup_\w+)", expr):
+            assert metric in found, f"{metric} (in {expr}) is not in the scrape"
+            for group in re.findall(r"by \(([\w, ]+)\)", expr):
+                wanted = {g.strip() for g in group.split(",")} - {"le"}
+                assert wanted <= found[metric] | {"le"}, (expr, found[metric])
+    assert {"process", "role", "kind"} <= found["vsup_process_busy_ratio"]
     assert s.stop()[0] == 0

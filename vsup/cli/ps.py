@@ -137,11 +137,13 @@ def render(state: dict, flat: bool = False) -> str:
             _duration(now - sup["started_at"]) if sup["live"] else "-", *["-"] * (len(columns) - 4))
     rows = [root]
     for prefix, p in tree_rows(state["processes"], role=lambda p: p["role"], group=lambda p: (p.get("r"), p["dp"])):
-        memory = device_memory(p.get("load"))
+        memory = p.get("device_memory_bytes") or device_memory(p.get("load"))
         rows.append((prefix + p["name"], *_live(p, sup["live"], now),
                      format_bytes(memory) if memory else "-", summary(p["role"], p.get("load"))))
     lines = [head, *_table(columns, rows)]
     lines += state.get("diagnosis") or []
+    lines += [f"cuda:{o['gpu']} is also held by pid {o['pid']} ({o.get('cmdline') or '?'}): {format_bytes(o['bytes'])}"
+              for o in state.get("gpu_others") or []]
     return "\n".join(lines)
 
 

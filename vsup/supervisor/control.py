@@ -16,6 +16,8 @@ import time
 
 import psutil
 
+from vsup import procfs
+from vsup.devices import gpu_processes
 from vsup.diagnosis import diagnose, load_figures
 
 MAX_REQUEST_BYTES = 64 << 10
@@ -52,6 +54,11 @@ class ControlServer:
         cmd = request.get("cmd")
         if cmd == "ps":
             return self.ps()
+        if cmd == "loads":  # what the API servers' /metrics show of every process (engine/load.py)
+            now = time.time()
+            return {"loads": {c["name"]: {"role": c["role"], **figures} for c in self.supervisor.snapshot()["processes"]
+                              if c.get("pid") and (figures := load_figures(self.supervisor.loads.get(c["name"]),
+                                                                           c["pid"], now))}}
         if cmd == "stop":
             self.supervisor.request_stop("vsup stop")
             return {"ok": True, "pid": os.getpid()}
@@ -80,8 +87,25 @@ class ControlServer:
                     p["rss_bytes"] = proc.memory_info().rss
             except psutil.Error:
                 pass
+        self.add_gpu_memory(state)
         state["diagnosis"] = diagnose(state["processes"])
         return state
+
+    @staticmethod
+    def add_gpu_memory(state: dict) -> None:
+        """On CUDA: each process's memory on its GPU as the driver counts it, and every *other* process
+        that holds memory on the deployment's GPUs (`gpu_others`): who is left holding GPU memory."""
+        ours = {p["pid"]: p for p in state["processes"] if p.get("pid")}
+        gpus = {int(d.split(":")[1]) for p in state["processes"] if (d := p.get("device") or "").startswith("cuda:")}
+        if not gpus:
+            return
+        state["gpu_others"] = []
+        for holder in gpu_processes():
+            if holder["pid"] in ours:
+                process = ours[holder["pid"]]
+                process["device_memory_bytes"] = process.get("device_memory_bytes", 0) + holder["bytes"]
+            elif holder["gpu"] in gpus:
+                state["gpu_others"].append({**holder, "cmdline": procfs.cmdline(holder["pid"])})
 
     def close(self) -> None:
         self.sock.close()
