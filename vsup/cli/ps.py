@@ -9,9 +9,6 @@ import time
 import typer
 
 from vsup.cli import options
-from vsup.diagnosis import device_memory, summary
-from vsup.memory import format_bytes
-from vsup.printer import tree_rows
 
 app = typer.Typer()
 
@@ -119,6 +116,10 @@ def still_running(pid: int, title: str) -> bool:
 def render(state: dict, flat: bool = False) -> str:
     """The tree (as `plan` draws it) with each process's live columns, then the diagnoses; `flat`: one
     table row per process, without the load and device memory."""
+    from vsup.diagnosis import device_memory, summary
+    from vsup.memory import format_bytes
+    from vsup.printer import tree_rows
+
     sup = state["supervisor"]
     now = time.time()
     if sup["live"]:
@@ -151,6 +152,8 @@ LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "RSS"
 
 
 def _live(p: dict, live: bool, now: float) -> tuple[str, ...]:
+    from vsup.memory import format_bytes
+
     alive = p.get("pid") is not None and live
     return (str(p.get("pid") or "-"), p["state"],
             _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
