@@ -68,6 +68,7 @@ def serve(
     requests of a tree that died on the next one. With --replicas N, N such trees: the
     requests of one that died go on at once on another.
     """
+    from vsup.cli import crash
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.supervisor.manager import Options
@@ -115,6 +116,7 @@ def serve(
         run.env = {k: v for k, v in secrets.items() if v}
         tree = None
     run_dir.create()
+    crash.remember(run_dir)
     run_dir.lock()
     code, message = supervise(the_plan, run_dir, run, log_format.value, vllm=tree)
     if code:
