@@ -118,8 +118,9 @@ class ModelConfig:
             shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
             if self.o_proj_bias:
                 shapes[f"{layer}.self_attn.o_proj.bias"] = (h,)
-            shapes[f"{layer}.mlp.gate_proj.weight"] = shapes[f"{layer}.mlp.up_proj.weight"] = (self.intermediate_size, h)
-            shapes[f"{layer}.mlp.down_proj.weight"] = (h, self.intermediate_size)
+            mlp = self.intermediate_size
+            shapes[f"{layer}.mlp.gate_proj.weight"] = shapes[f"{layer}.mlp.up_proj.weight"] = (mlp, h)
+            shapes[f"{layer}.mlp.down_proj.weight"] = (h, mlp)
             shapes[f"{layer}.input_layernorm.weight"] = shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
         return shapes
 

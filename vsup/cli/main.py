@@ -63,7 +63,7 @@ def execute(argv: list[str]) -> int:
     """`vsup ARGV` as the console runs it, to its exit status, never a traceback: a mistake is one line on
     stderr and 2, a failure one line and 1, and an unexpected exception one line naming the file that holds
     its traceback, and 1 (vsup/cli/crash.py). run() and the tests of bad input both come through here."""
-    command = " ".join(["vsup", *[a for a in argv[:1] if not a.startswith("-")]])
+    command = " ".join(["vsup", *[a for a in argv[:1] if a in COMMANDS]])
     state: dict = {}  # --config leaves what it read here, so that an error can name the file that set the value
     # a command named first needs its module alone; help, completion and mistakes need them all
     needed = COMMANDS.get(argv[0]) if argv and "_VSUP_COMPLETE" not in os.environ else None

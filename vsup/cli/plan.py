@@ -42,7 +42,7 @@ def plan(
     if replicas != 1 or engine == options.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
         from vsup.vllm.args import check_replicas
 
-        check_replicas(engine == options.EngineKind.vllm, replicas)
+        check_replicas(engine == options.EngineKind.vllm, replicas, config)
     if engine == options.EngineKind.vllm:
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan

@@ -79,7 +79,7 @@ def serve(
     policy = restart_policy_of(restart_policy, max_restarts, restart_max_delay)
     from vsup.vllm.args import check_replicas
 
-    check_replicas(vllm, replicas)
+    check_replicas(vllm, replicas, parallel)
     run_dir = RunDir(name)
     run_dir.check()  # before the default model's conversion, the first process this starts
     if not parallel.headless:
@@ -184,6 +184,8 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
                              f"choose another --port or stop what holds it") from None
+        except (TypeError, ValueError) as e:  # a name that cannot be encoded (UnicodeError is a ValueError)
+            raise UsageError(f"--host {host!r} is not an address ({e}); give an IP address or a host name") from None
 
 
 def default_model() -> str:
