@@ -84,6 +84,14 @@ def test_tokenizer_files_carry_the_chat_template_and_special_tokens(converted):
     assert str(converted.cache) not in (converted.dir / "tokenizer_config.json").read_text()
 
 
+def test_vsups_check_of_a_model_directory_takes_the_converted_model(converted):
+    """What plan and serve check before anything starts (vsup/model_dir.py) refuses nothing of it: a tied head."""
+    from vsup.model_dir import check_model_dir
+    from vsup.model_shape import read_model_shape
+
+    check_model_dir(converted.dir, read_model_shape(converted.dir))
+
+
 def test_an_interrupted_runs_temp_dir_is_cleaned(converted):
     assert not converted.stale.exists()
     assert sorted(p.name for p in (converted.cache / "models").iterdir() if p.is_dir()) == [DEFAULT_MODEL_NAME]
