@@ -184,16 +184,14 @@ def invocations(draw) -> Invocation:
 def world(tmp_path_factory):
     """The places values name: model directories complete and not, homes with a stopped deployment, a file."""
     world = tmp_path_factory.mktemp("world")
-    good = header_only_model(world / "good", BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                     "tie_word_embeddings": True, "torch_dtype": "float32"})
+    config = BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": True,
+                     "torch_dtype": "float32"}
+    header_only_model(world / "good", config)
     for name, drop in (("no-tokenizer", "tokenizer.json"), ("no-weights", "model.safetensors")):
-        header_only_model(world / name, json.loads((good / "config.json").read_text()))
-        (world / name / drop).unlink()
-    other = json.loads((good / "config.json").read_text()) | {"intermediate_size": 256}
-    header_only_model(world / "other-shape", json.loads((good / "config.json").read_text()))
-    (world / "other-shape" / "config.json").write_text(json.dumps(other))
-    header_only_model(world / "gemma", {**json.loads((good / "config.json").read_text()),
-                                        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+        (header_only_model(world / name, config) / drop).unlink()
+    header_only_model(world / "other-shape", config)
+    (world / "other-shape" / "config.json").write_text(json.dumps(config | {"intermediate_size": 256}))
+    header_only_model(world / "gemma", config | {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
     (world / "empty").mkdir()
     (world / "file").write_text("")
     stopped_deployment(world / "home")
