@@ -88,10 +88,15 @@ EXIT_STATUS = [
     ("1", "A runtime failure: `vsup serve` has nothing left to serve (every DP rank failed past its "
           "restart limit, or startup failed or timed out; the message names the unit and its last stderr "
           "lines); `vsup ps`, `logs`, `stop` or `restart` named an unknown deployment; "
-          "`vsup restart` found nothing running to restart; `vsup stop` timed out."),
-    ("2", "A usage error: an unknown option or a bad value on the command line, in the environment or in a "
-          "--config file, a parallel shape the model or the machine cannot take, a port in use, or a "
-          "second supervisor for a --name that is already served. One line on stderr says what to fix."),
+          "`vsup restart` found nothing running to restart; `vsup stop` timed out. Or an internal error: one "
+          "line names it and the file holding its traceback (a {crash-*.log} in the run dir's logs/, else a "
+          "{vsup-*.log} temp file); VSUP_DEBUG=1 prints the traceback too."),
+    ("2", "A usage error, found before anything starts: an unknown option or a bad value on the command line, "
+          "in the environment or in a --config file (an unknown key too), a parallel shape the model or the "
+          "machine cannot take, a model directory without config.json, tokenizer.json or safetensors weights "
+          "of config.json's shapes, a run dir that cannot be written or that others own or may enter, a model "
+          "cache that cannot be written or lacks room for the default model, a port in use, or a second "
+          "supervisor for a --name that is already served. One line on stderr says what to fix."),
     ("130", "Interrupted before the command finished."),
 ]
 
@@ -128,6 +133,8 @@ ENVIRONMENT = {
                                "vLLM behind it, which only the front knows.",
     "NOTIFY_SOCKET": "Set by systemd for a Type=notify service: `vsup serve` sends READY=1 once every "
                      "process is ready and STOPPING=1 when it begins to stop.",
+    "VSUP_DEBUG": "1 prints the traceback of an internal error on stderr, besides the line that names the file "
+                  "it was saved to.",
     "XDG_STATE_HOME": "The base of the run dirs when VSUP_HOME is unset.",
     "XDG_CACHE_HOME": "The base of the model cache when VSUP_CACHE_DIR is unset.",
 }
@@ -236,6 +243,8 @@ def files_section() -> list[str]:
                                             "role, dp, pp, tp, pid, stream, event, ...); past "
                                             f"{ROTATE_BYTES >> 20} MiB it is rotated to {{vsup.jsonl.1}} ... "
                                             f"{{vsup.jsonl.{KEEP_FILES}}}. `vsup logs` reads it."),
+        ("$VSUP_HOME/NAME/logs/crash-*.log", "The traceback of an internal error of a command that knew its run "
+                                             "dir (else it goes to a {vsup-*.log} temp file)."),
         ("$VSUP_HOME/NAME/control.sock", "The supervisor's control socket (mode 0600), for `vsup ps`, `stop` and "
                                          "`restart`."),
         ("$VSUP_HOME/NAME/supervisor.pid", "The pid of the supervisor serving NAME, locked while it runs, so a "

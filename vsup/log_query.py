@@ -35,7 +35,10 @@ def parse_since(text: str) -> datetime:
     m = re.fullmatch(r"(\d+)([smhd])", text)
     if m:
         unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
-        return datetime.now(timezone.utc) - timedelta(**{unit: int(m.group(1))})
+        try:
+            return datetime.now(timezone.utc) - timedelta(**{unit: int(m.group(1))})
+        except OverflowError:  # before the year 1
+            raise UsageError(f"--since {text!r} reaches back past the year 1; give a shorter time") from None
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:

@@ -6,6 +6,7 @@ as an argument.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -23,7 +24,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size; write it like 4GiB, 512MiB or 1000000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"{text!r} is too large a size; write it like 4GiB, 512MiB or 1000000000")
+    return int(size)
 
 
 def format_bytes(n: float) -> str:

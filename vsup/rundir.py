@@ -7,18 +7,18 @@ import fcntl
 import json
 import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 
 from vsup import addresses
-from vsup.errors import UsageError
+from vsup.errors import Failure, UsageError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-class NoDeployment(Exception):
+class NoDeployment(Failure):
     """`ps`, `logs`, `stop` for a name that was never served here; the CLI exits 1."""
-
-    exit_code = 1
 
 
 def home() -> Path:
@@ -26,6 +26,14 @@ def home() -> Path:
         return Path(os.environ["VSUP_HOME"])
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(state) / "vsup"
+
+
+def home_source() -> str:
+    """The variable that chose home(), for messages: how to point the run dirs elsewhere."""
+    for variable in ("VSUP_HOME", "XDG_STATE_HOME"):
+        if os.environ.get(variable):
+            return f"{variable}={os.environ[variable]}"
+    return "the default ~/.local/state/vsup"
 
 
 class RunDir:
@@ -55,7 +63,35 @@ class RunDir:
         return Path(addresses.control_socket(str(self.path)))
 
     def exists(self) -> bool:
-        return self.state_file.exists() or self.log_file.exists()
+        try:
+            return self.state_file.exists() or self.log_file.exists()
+        except OSError as e:  # (a missing one is False; this is a run dir we may not look into)
+            raise UsageError(f"the run dir {self.path} cannot be read ({e.strerror}); it comes from "
+                             f"{home_source()}: set VSUP_HOME to a directory of yours") from None
+
+    def check(self) -> None:
+        """Refuse, before anything starts, a run dir that cannot be made or written, or that another user
+        owns or may enter: its control.sock and IPC sockets would be theirs to reach."""
+        origin = f"it comes from {home_source()}"
+        elsewhere = "choose another --name or set VSUP_HOME to a directory of yours"
+        for path in (self.path, self.log_dir):
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise UsageError(f"the run dir {path} cannot be used ({e.strerror}); {origin}: set VSUP_HOME to "
+                                 f"a directory you can write") from None
+            if not stat.S_ISDIR(info.st_mode):
+                raise UsageError(f"the run dir {path} is not a directory; {origin}: {elsewhere}")
+            if info.st_uid != os.geteuid():
+                raise UsageError(f"the run dir {path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}), "
+                                 f"and its control.sock would be theirs; {origin}: {elsewhere}")
+            if info.st_mode & 0o077:
+                raise UsageError(f"the run dir {path} is open to others (mode {stat.S_IMODE(info.st_mode):04o}), "
+                                 f"so its control.sock would be too: chmod 700 {path}, or {elsewhere}")
+        for path in (self.path, self.log_dir) if self.log_dir.is_dir() else (self.path,):
+            _probe_writable(path, f"{origin}: set VSUP_HOME to a directory you can write")
 
     def require(self) -> RunDir:
         """For commands that read a deployment: fail with exit 1 when there is none."""
@@ -94,3 +130,17 @@ class RunDir:
 
     def read_state(self) -> dict:
         return json.loads(self.state_file.read_text())
+
+
+def _probe_writable(path: Path, fix: str) -> None:
+    """Make and remove a directory where `path` is, or would be made: the one test of "can be created or
+    written" that holds for root too, on read-only mounts and in /proc alike."""
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    what = "written" if existing == path else "created"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vsup-probe-", dir=existing))
+    except OSError as e:
+        where = "" if existing == path else f" (in {existing})"
+        raise UsageError(f"the run dir {path} cannot be {what}{where}: {e.strerror}; {fix}") from None

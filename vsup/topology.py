@@ -18,6 +18,8 @@ COORDINATOR = "coordinator"
 ROLES = (API_SERVER, ENGINE_CORE, WORKER, COORDINATOR)
 FRONT = "front"  # vsup's own HTTP front before a stock vLLM
 COUNTED = (FRONT, *ROLES)  # the roles of the count; others (vLLM's helpers) are counted apart
+# far beyond any deployment: a plan is built process by process, and `-tp 10000000000` must be a line, not a hang
+MAX_PROCESSES = 65536
 
 # the module each role runs: the argv contract between vsup and engine
 ENTRY_POINTS = {
@@ -82,6 +84,9 @@ class ParallelConfig:
             raise UsageError(f"--device must be auto, cuda or cpu (got {self.device!r})")
         if self.api_server_count is not None and self.api_server_count < 0:
             raise UsageError(f"--api-server-count must be at least 1 (got {self.api_server_count})")
+        if self.process_count > MAX_PROCESSES:
+            raise UsageError(f"-dp x -tp x -pp and --api-server-count make {self.process_count:,} processes, more "
+                             f"than the {MAX_PROCESSES:,} vsup plans for: check them for a typo")
         self._check_nodes()
         self._check_in_process()
 
@@ -178,6 +183,12 @@ class ParallelConfig:
     @property
     def dp_start_rank(self) -> int:
         return self.data_parallel_start_rank or 0
+
+    @property
+    def process_count(self) -> int:
+        """The processes of the whole deployment, all nodes together, as the count formula gives them."""
+        dp = self.data_parallel_size
+        return self.head_api_server_count + dp * (1 + self.workers_per_engine) + (dp > 1)
 
     @property
     def workers_per_engine(self) -> int:

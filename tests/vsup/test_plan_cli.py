@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.model_dirs import header_only_model
+
 VSUP = [sys.executable, "-m", "vsup"]
 SMOLLM2 = {  # the default model's config.json (SmolLM2-135M-Instruct)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -21,8 +23,7 @@ def vsup(*args, env=None):
 
 @pytest.fixture
 def smollm2_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
-    return tmp_path
+    return header_only_model(tmp_path / "smollm2", SMOLLM2)
 
 
 @pytest.mark.parametrize("flags,total", [
@@ -138,8 +139,8 @@ def test_plan_imports_no_torch_transformers_engine_or_other_commands(tmp_path):
     """`vsup plan` is the command run before every launch: it loads neither the model stack nor the
     modules of the commands it has nothing to do with. Of the engine it reads only the model's config
     (engine/model/config.py, the one reader of config.json)."""
-    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
-    code = (f"import sys; sys.argv = ['vsup', 'plan', {str(tmp_path)!r}, '--device', 'cpu', '--json']\n"
+    model = header_only_model(tmp_path / "smollm2", SMOLLM2)
+    code = (f"import sys; sys.argv = ['vsup', 'plan', {str(model)!r}, '--device', 'cpu', '--json']\n"
             "from vsup.cli.main import run\n"
             "try:\n    run()\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in sys.modules if m in ('torch', 'transformers', 'vsup.cli.ps', 'vsup.cli.logs',\n"

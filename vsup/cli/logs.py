@@ -28,6 +28,7 @@ def logs(
     as_json: options.Json = False,
 ) -> None:
     """Print the deployment's log (logs/vsup.jsonl in its run dir), every line tagged with who wrote it."""
+    from vsup.cli import crash
     from vsup.log_query import make_filter, parse_since, read_records, tail
     from vsup.rundir import RunDir
     from vsup.supervisor.log_format import render
@@ -39,6 +40,7 @@ def logs(
     if lines is not None and lines < 0:
         raise UsageError(f"-n/--lines must be at least 0 (got {lines})")
     run_dir = RunDir(name).require()
+    crash.remember(run_dir)
     match = make_filter(role, dp, pp, tp, level, parse_since(since) if since else None, replica)
     width = 22
     color = sys.stdout.isatty()

@@ -9,8 +9,7 @@ import sys
 import typer
 
 from vsup import __version__
-from vsup.errors import UsageError
-from vsup.rundir import NoDeployment
+from vsup.errors import Failure, UsageError
 
 try:  # typer vendors click from 0.20 on
     from typer._click.exceptions import ClickException
@@ -60,24 +59,41 @@ def main(
     """Plan, launch, supervise and explain the process tree of an LLM server."""
 
 
-def run() -> None:
-    """Console entry: mistakes become one line on stderr and exit status 2, never a traceback."""
-    command = " ".join(["vsup", *[a for a in sys.argv[1:2] if not a.startswith("-")]])
+def execute(argv: list[str]) -> int:
+    """`vsup ARGV` as the console runs it, to its exit status, never a traceback: a mistake is one line on
+    stderr and 2, a failure one line and 1, and an unexpected exception one line naming the file that holds
+    its traceback, and 1 (vsup/cli/crash.py). run() and the tests of bad input both come through here."""
+    command = " ".join(["vsup", *[a for a in argv[:1] if a in COMMANDS]])
     state: dict = {}  # --config leaves what it read here, so that an error can name the file that set the value
     # a command named first needs its module alone; help, completion and mistakes need them all
-    needed = COMMANDS.get(sys.argv[1]) if len(sys.argv) > 1 and "_VSUP_COMPLETE" not in os.environ else None
-    app = make_app(list(needed) if needed else None)
+    needed = COMMANDS.get(argv[0]) if argv and "_VSUP_COMPLETE" not in os.environ else None
     try:
-        code = app(prog_name="vsup", standalone_mode=False, obj=state)
-    except (UsageError, NoDeployment) as e:
+        app = make_app(list(needed) if needed else None)
+        code = app(args=argv, prog_name="vsup", standalone_mode=False, obj=state)
+    except (UsageError, Failure) as e:
         message = state["config"].explain(str(e)) if "config" in state else str(e)
-        typer.echo(f"{command}: error: {message}", err=True)
-        sys.exit(e.exit_code)
+        typer.echo(f"{command}: error: {one_line(message)}", err=True)
+        return e.exit_code
     except ClickException as e:
         hint = f" (see '{command} --help')" if e.exit_code == 2 else ""
-        typer.echo(f"{command}: error: {e.format_message()}{hint}", err=True)
-        sys.exit(e.exit_code)
+        typer.echo(f"{command}: error: {one_line(e.format_message())}{hint}", err=True)
+        return e.exit_code
     except typer.Abort:
         typer.echo("aborted", err=True)
-        sys.exit(130)
-    sys.exit(code or 0)
+        return 130
+    except Exception as e:
+        from vsup.cli import crash
+
+        typer.echo(crash.report(command, e, state.get(crash.LOG_DIR)), err=True)
+        return 1
+    return code or 0
+
+
+def one_line(message: str) -> str:
+    """A message that quotes what the user typed stays one line, whatever they typed."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def run() -> None:
+    """Console entry: see execute()."""
+    sys.exit(execute(sys.argv[1:]))

@@ -36,13 +36,13 @@ def plan(
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.topology import plan as make_plan
 
-    model, _ = split_engine_args(model, ctx.args, engine.value)
+    model, extra = split_engine_args(model, ctx.args, engine.value)
 
     config = parallel  # (checked, its device resolved)
     if replicas != 1 or engine == options.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)
         from vsup.vllm.args import check_replicas
 
-        check_replicas(engine == options.EngineKind.vllm, replicas)
+        check_replicas(engine == options.EngineKind.vllm, replicas, config)
     if engine == options.EngineKind.vllm:
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan
@@ -54,7 +54,7 @@ def plan(
     shape = memory = None
     if model is not None:
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
-                                     gpu_memory_utilization, engine.value)
+                                     gpu_memory_utilization, engine.value, extra)
 
     if as_json:
         out = the_plan.to_json()

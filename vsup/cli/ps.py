@@ -29,9 +29,11 @@ def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_
     When the supervisor is gone, shows the last state it wrote (state.json) and says so; a process
     of the tree that is somehow still running is shown as orphaned.
     """
+    from vsup.cli import crash
     from vsup.rundir import RunDir
 
     run_dir = RunDir(name).require()
+    crash.remember(run_dir)
     if watch and not as_json:
         while True:  # like top: redraw in place until Ctrl-C
             screen = render(snapshot(run_dir, replica), flat)

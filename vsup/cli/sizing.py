@@ -8,14 +8,18 @@ from vsup.topology import ParallelConfig
 
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
-                 kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup"):
-    """(shape, memory plan) for MODEL under `config`, or a UsageError that says what does not fit. A stock
-    vLLM runs more architectures than our engine: for it, any model whose shape reads like a Llama's."""
+                 kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup",
+                 vllm_args: tuple[str, ...] = ()):
+    """(shape, memory plan) for MODEL under `config`, or a UsageError that says what is missing from MODEL or
+    does not fit. A stock vLLM runs more architectures than our engine: for it, any model whose shape reads
+    like a Llama's. `vllm_args`: what follows `--` for it."""
     from vsup.devices import gpu_memory_bytes
     from vsup.memory import memory_plan, parse_size
+    from vsup.model_dir import check_model_dir
     from vsup.model_shape import read_model_shape
 
     shape = read_model_shape(model, strict=engine != "vllm")
+    check_model_dir(model, shape, engine, vllm_args)
     shape.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
     if max_model_len is not None and max_model_len < 1:
         raise UsageError(f"--max-model-len must be at least 1 (got {max_model_len})")

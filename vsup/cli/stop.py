@@ -7,17 +7,19 @@ import time
 import typer
 
 from vsup.cli import options
-from vsup.errors import UsageError
+from vsup.errors import Failure, UsageError
 
 app = typer.Typer()
 
 @app.command()
 def stop(name: options.Name = "default", timeout: options.StopWait = 120.0) -> None:
     """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
+    from vsup.cli import crash
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
 
     run_dir = RunDir(name).require()
+    crash.remember(run_dir)
     try:
         answer = request(str(run_dir.control_socket), {"cmd": "stop"})
     except OSError:
@@ -56,6 +58,7 @@ def restart(role: options.Role = None, dp: options.DpRank = None, replica: optio
     With --engine vllm a unit is a whole vLLM tree (of --replica); --rolling restarts every replica in turn,
     each drained first, losing no request and keeping the others serving.
     """
+    from vsup.cli import crash
     from vsup.rundir import RunDir
     from vsup.supervisor.control import request
     from vsup.topology import COUNTED
@@ -65,20 +68,19 @@ def restart(role: options.Role = None, dp: options.DpRank = None, replica: optio
     if not rolling and role not in COUNTED:  # None too: --role is required
         raise UsageError(f"--role must be one of {', '.join(COUNTED)} (got {role!r}), or give --rolling")
     run_dir = RunDir(name).require()
+    crash.remember(run_dir)
     if (rolling or replica is not None) and run_dir.read_state()["supervisor"].get("engine") != "vllm":
         raise UsageError(f"--rolling and --replica are for --engine vllm; {name!r} runs vsup's own engine")
     try:
         answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp,
                                                        "replica": replica, "rolling": rolling, "now": now})
     except OSError:
-        typer.echo(f"deployment {name!r} is not running", err=True)
-        raise typer.Exit(1) from None
+        raise Failure(f"deployment {name!r} is not running (nothing answers on {run_dir.control_socket}); start it "
+                      f"with 'vsup serve --name {name}'") from None
     if not answer.get("ok"):
         if rolling:
-            typer.echo(f"no rolling restart of {name!r} now: every replica must be serving, and no other rolling "
-                       f"restart under way", err=True)
-        else:
-            where = "".join(f" with --{k} {v}" for k, v in (("dp", dp), ("replica", replica)) if v is not None)
-            typer.echo(f"no running {role}{where} in {name!r}", err=True)
-        raise typer.Exit(1)
+            raise Failure(f"no rolling restart of {name!r} now: every replica must be serving, and no other rolling "
+                          f"restart under way (see 'vsup ps --name {name}')")
+        where = "".join(f" with --{k} {v}" for k, v in (("dp", dp), ("replica", replica)) if v is not None)
+        raise Failure(f"no running {role}{where} in {name!r} (see 'vsup ps --name {name}')")
     typer.echo(f"{'rolling restart of' if rolling else 'restarting'} {', '.join(answer['units'])}")

@@ -13,7 +13,7 @@ import math
 from vsup.errors import UsageError
 from vsup.memory import DEFAULT_CPU_KV_CACHE_BYTES
 from vsup.serve_flags import ServeFlags
-from vsup.topology import ParallelConfig
+from vsup.topology import MAX_PROCESSES, ParallelConfig
 
 GIB = 2**30
 
@@ -32,13 +32,17 @@ def check_supported(config: ParallelConfig, **flags) -> None:
                          f"model); give vLLM's own flags after --, or use --engine vsup")
 
 
-def check_replicas(vllm: bool, replicas: int) -> None:
-    """Exit 2 for a --replicas that cannot be (vsup's own engine keeps its requests without replicas)."""
+def check_replicas(vllm: bool, replicas: int, config: ParallelConfig | None = None) -> None:
+    """Exit 2 for a --replicas that cannot be (vsup's own engine keeps its requests without replicas), or that
+    makes more processes than a plan may hold (each replica a tree of `config`'s shape)."""
     if replicas < 1:
         raise UsageError(f"--replicas must be at least 1 (got {replicas})")
     if replicas > 1 and not vllm:
         raise UsageError("--replicas is for --engine vllm; vsup's own engine keeps its requests across a death "
                          "without replicas (for more of it, give -dp)")
+    if config is not None and replicas * config.process_count > MAX_PROCESSES:
+        raise UsageError(f"--replicas {replicas:,} trees of {config.process_count:,} processes are more than the "
+                         f"{MAX_PROCESSES:,} vsup plans for: check --replicas for a typo")
 
 
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
