@@ -63,7 +63,7 @@ def test_vsup_debug_shows_the_traceback(boom):
 def test_once_a_command_knows_its_run_dir_the_traceback_goes_to_its_logs(tmp_path, monkeypatch):
     stopped_deployment(tmp_path, "crashy")
 
-    def render(state):
+    def render(state, flat=False):
         raise ValueError("no good")
 
     monkeypatch.setattr("vsup.cli.ps.render", render)
