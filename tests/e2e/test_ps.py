@@ -126,8 +126,9 @@ def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
                     re.findall(r'(\w+)="', rest.partition("}")[0]) if rest else ())
         return labels
     # what the processes are busy with reaches /metrics with their first load reports (every 2 s)
-    found = wait_for(lambda: (m := scrape()) and {"vsup_process_busy_ratio", "vsup_process_events_per_second"} <= m.keys()
-                     and m, timeout=30, what="the processes' load in /metrics")
+    wanted = {"vsup_process_busy_ratio", "vsup_process_events_per_second"}
+    found = wait_for(lambda: (m := scrape()) and wanted <= m.keys() and m, timeout=30,
+                     what="the processes' load in /metrics")
     for expr in exprs:
         for metric in re.findall(r"\b(vsup_\w+)", expr):
             assert metric in found, f"{metric} (in {expr}) is not in the scrape"

@@ -127,7 +127,7 @@ def test_a_run_dir_of_another_user(home):
     run_dir = RunDir("x")
     run_dir.create()
     os.chown(run_dir.path, 65534, 65534)
-    assert f"belongs to uid 65534, not to you (uid 0), and its control.sock would be theirs" in refused()
+    assert "belongs to uid 65534, not to you (uid 0), and its control.sock would be theirs" in refused()
 
 
 def test_a_run_dir_that_is_a_file(home):
