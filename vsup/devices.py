@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from vsup.errors import UsageError
 
@@ -16,66 +17,76 @@ def visible_gpu_count() -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     if os.path.isdir(NVIDIA_PROC):
         return len(os.listdir(NVIDIA_PROC))
-    out = _nvidia_smi("-L")
-    return sum(line.startswith("GPU ") for line in out.splitlines())
+    return len(nvml_gpus())
 
 
-def _nvidia_smi(*args: str) -> str:
-    """nvidia-smi's output, or "" where it is missing or fails."""
-    import shutil
-    import subprocess
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as NVML sees it: its physical index and uuid, its memory, and who holds memory on it."""
 
-    if not shutil.which("nvidia-smi"):
-        return ""
+    index: int
+    uuid: str
+    total_bytes: int
+    holders: tuple[tuple[int, int], ...] = ()  # (pid, bytes)
+
+
+def nvml_gpus() -> list[Gpu]:
+    """Every GPU of this node from NVML (nvidia-ml-py, imported only here); [] without a driver."""
     try:
-        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            holders = tuple((p.pid, p.usedGpuMemory or 0)  # None where the driver may not say (some MIG, WSL)
+                            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            gpus.append(Gpu(index, uuid.decode() if isinstance(uuid, bytes) else uuid,
+                            pynvml.nvmlDeviceGetMemoryInfo(handle).total, holders))
+        return gpus
+    except pynvml.NVMLError:
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def as_visible(gpus: list[Gpu], visible: str | None) -> list[Gpu]:
+    """The GPUs a process with CUDA_VISIBLE_DEVICES=`visible` (indices or uuids, as CUDA reads it: up to
+    the first entry it cannot use) sees, in its cuda:N order; all of them when unset."""
+    if visible is None:
+        return sorted(gpus, key=lambda g: g.index)
+    seen = []
+    for entry in (v.strip() for v in visible.split(",")):
+        gpu = next((g for g in gpus if entry == str(g.index) or (entry.startswith("GPU-") and g.uuid.startswith(entry))),
+                   None)
+        if gpu is None or gpu in seen:
+            break
+        seen.append(gpu)
+    return seen
 
 
 def gpu_memory_bytes() -> int | None:
-    """Total memory of the first visible GPU, or None when nvidia-smi cannot tell."""
-    out = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
-    try:
-        return int(out.split()[0]) * 2**20
-    except (ValueError, IndexError):
-        return None
+    """Total memory of the first GPU a child process would see, or None where NVML cannot tell."""
+    gpus = as_visible(nvml_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return gpus[0].total_bytes if gpus else None
 
 
 def gpu_processes() -> list[dict]:
-    """Every process holding memory on a GPU this node sees: {"pid", "gpu" (its cuda:N index as the
-    deployment numbers them), "bytes"}; [] where nvidia-smi cannot tell."""
-    gpus = _nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
-    if not gpus:
-        return []
-    apps = _nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits")
-    return parse_gpu_processes(gpus, apps, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    """Every process holding memory on a GPU a child process would see: {"pid", "gpu" (its cuda:N index
+    as the deployment numbers them), "bytes"}; [] where NVML cannot tell."""
+    return holders(nvml_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def parse_gpu_processes(gpus_csv: str, apps_csv: str, visible: str | None = None) -> list[dict]:
-    """nvidia-smi's GPUs (index, uuid) and compute apps (pid, gpu uuid, MiB) as `gpu_processes` gives them;
-    with CUDA_VISIBLE_DEVICES (`visible`: indices or uuids), the index is the position in it, and GPUs
-    outside it are left out."""
-    physical = {}
-    for line in gpus_csv.splitlines():
-        index, _, uuid = (part.strip() for part in line.partition(","))
-        if index.isdigit():
-            physical[uuid] = int(index)
-    order = [v.strip() for v in visible.split(",")] if visible else None
-    found = []
-    for line in apps_csv.splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in physical:
-            continue
-        gpu = physical[parts[1]]
-        if order is not None:
-            position = next((i for i, v in enumerate(order) if v in (str(gpu), parts[1])), None)
-            if position is None:
-                continue
-            gpu = position
-        mib = int(parts[2]) if parts[2].isdigit() else 0
-        found.append({"pid": int(parts[0]), "gpu": gpu, "bytes": mib * 2**20})
-    return found
+def holders(gpus: list[Gpu], visible: str | None = None) -> list[dict]:
+    """`gpu_processes` of these GPUs: GPUs outside `visible` are left out."""
+    return [{"pid": pid, "gpu": n, "bytes": used}
+            for n, gpu in enumerate(as_visible(gpus, visible)) for pid, used in gpu.holders]
 
 
 def resolve_device(device: str) -> str:
