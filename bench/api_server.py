@@ -17,18 +17,19 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
     included, to the first token's logits); ITL the gaps between a stream's chunks (HF: between
     forwards); tokens/s = all generated tokens / wall time of the C streams. The ratios are
     vsup's tokens/s over each side's in the same round (median over rounds).
-(b) the seed's claim: 4 decode streams run while a load process hammers the server with
-    ~2000-token prompts, in two loads: "tokenize" (loops posting them to /tokenize) and
-    "mixed" (loops to /tokenize plus loops to /v1/completions with max_tokens=1, which adds
-    2000-token prefills to the core's steps; full runs only). Both modes run at once (a
-    multiprocess `LocalDeployment` and an in-process one, `--no-multiprocessing`, with the same
-    engine settings: one torch thread, 256 batched tokens per step); round by round, the order
-    of modes and phases flips. Each mode's loaded ITL p99 is divided by its own unloaded ITL p99
-    of the same run. The claim: the multiprocess ratio stays much closer to 1, because
-    tokenization runs in the API server process, not beside the scheduler.
+(b) the seed's claim, kept under load: 4 decode streams, calm and while a load process posts
+    long texts (~4,000 words) without pause from 2 clients, in two loads: "tokenize" (to
+    /tokenize) and "mixed" (half of the clients to /v1/completions with max_tokens=1, which adds
+    their prefills to the core's steps; full runs only). Each side's loaded ITL p99 over its own
+    calm ITL p99 in the same run (1.0: the load does not reach the decode), and each side's
+    throughput at 16 and 64 streams, round by round, the order rotating. The sides: vsup serve at
+    each placement (vsup/placement.py: the default, which keeps a core for the API server and
+    engine core apart from the worker's; --cpu-reserve 0, the model on every core; the same with
+    the API server at nice 10; --no-multiprocessing, everything in one process), and vLLM-CPU
+    (when installed) at its default binding (a core reserved) and with the model on both cores.
 
-    python bench/api_server.py --quick      # (a) 1/16/64 streams of 16 tokens, 1 round; (b) 1 round, 12 tokens
-    python bench/api_server.py              # (a) 64 tokens, 2 rounds; (b) 4 rounds of 64 tokens, with "mixed"
+    python bench/api_server.py --quick      # (a) 1/16/64 streams of 16 tokens, 1 round; (b) 1 round, 32 tokens
+    python bench/api_server.py              # (a) 64 tokens, 2 rounds; (b) 2 rounds of 64 tokens, with "mixed"
     python bench/api_server.py --smoke      # seconds: 1/2 streams of 4 tokens, no vLLM
 
 On a GPU (tools/gpu_check.sh runs it so), (a) alone: `vsup serve --device cuda` (with
@@ -44,7 +45,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -52,26 +52,40 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 import vllm_cpu
-from common import (REPO_ROOT, Children, add_mode_args, percentile, print_table, ratio, run_streams, settle, setup,
+from common import (Children, add_mode_args, percentile, print_table, ratio, run_streams, settle, setup,
                     stream_summary, vsup_serve, write_results)
 from common import mode as bench_mode
 from engine.model.default_model import default_model_dir
 
-sys.path.insert(0, str(REPO_ROOT))  # the tests' serving tree without vsup
-from tests.local_deployment import LocalDeployment  # noqa: E402
-
-MODEL = "smollm2"
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
          "night point home water room mother area money story fact month lot right study book eye job word "
          "business issue side kind head house service friend father power hour game line end member law car "
          "city community name president team minute idea kid body information back parent face others level "
          "office door health person art war history party result change morning reason research girl guy").split()
-ENGINE_ARGS = ("--num-threads", "1", "--max-num-batched-tokens", "256")  # the in-process engine = the worker + core
+class Side(NamedTuple):
+    """One side of (b): vsup serve with these flags (its API servers then set to `api_nice`), or vLLM-CPU
+    with this binding (bench/vllm_cpu.py)."""
+
+    label: str
+    vsup_flags: tuple[str, ...] = ()
+    vllm_bind: str | None = None
+    api_nice: int = 0
+
+
+CLAIM_SIDES = {
+    "vsup": Side("vsup, default placement"),
+    "reserve0": Side("vsup --cpu-reserve 0", ("--cpu-reserve", "0")),
+    "reserve0_nice": Side("vsup --cpu-reserve 0, API server nice 10", ("--cpu-reserve", "0"), api_nice=10),
+    "in_process": Side("vsup --no-multiprocessing", ("--no-multiprocessing",)),
+    "vllm_auto": Side("vLLM-CPU, its default binding", vllm_bind="auto"),
+    "vllm_all": Side("vLLM-CPU, model on both cores", vllm_bind="all"),
+}
 
 
 def long_prompt(rng: random.Random, words: int) -> str:
@@ -94,12 +108,12 @@ def load_main(args) -> None:
                 prompt = long_prompt(rng, args.prompt_words)
                 try:
                     if kind == "tokenize":
-                        r = await client.post("/tokenize", json={"model": MODEL, "prompt": prompt})
+                        r = await client.post("/tokenize", json={"model": args.model_name, "prompt": prompt})
                         r.raise_for_status()
                         if len(done["prompt_tokens"]) < 3:
                             done["prompt_tokens"].append(len(r.json()["tokens"]))
                     else:
-                        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                        r = await client.post("/v1/completions", json={"model": args.model_name, "prompt": prompt,
                                                                        "max_tokens": 1, "temperature": 0})
                         r.raise_for_status()
                     done[kind] += 1
@@ -123,9 +137,10 @@ def load_main(args) -> None:
     asyncio.run(run())
 
 
-def start_load(children: Children, url: str, tokenize: int, completions: int, words: int, seed: int):
-    proc = children.spawn([sys.executable, __file__, "--load", url, "--tokenize", str(tokenize), "--completions",
-                           str(completions), "--prompt-words", str(words), "--seed", str(seed)],
+def start_load(children: Children, server, tokenize: int, completions: int, words: int, seed: int):
+    proc = children.spawn([sys.executable, __file__, "--load", server.url, "--model-name", server.model, "--tokenize",
+                           str(tokenize), "--completions", str(completions), "--prompt-words", str(words),
+                           "--seed", str(seed)],
                           stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "started"
     return proc
@@ -140,47 +155,104 @@ def stop_load(proc) -> dict:
 # (b) the claim
 
 
-def claim(deployments: dict[str, LocalDeployment], children: Children, args) -> dict:
+def start_claim_sides(children: Children, tmp: str, model_dir: Path, found: dict, args) -> dict:
+    """Every side of (b) that can run here, started at once (each measured alone)."""
+    servers = {}
+    for key in args.claim_sides:
+        side = CLAIM_SIDES[key]
+        if side.vllm_bind is None:
+            servers[key] = vsup_serve(children, tmp, *side.vsup_flags, name=key)
+        elif found["available"] and not args.no_vllm:
+            servers[key] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, side.vllm_bind)
+        if key in servers:
+            servers[key].name = side.label
+    return servers
+
+
+def renice_api_servers(home: str, side: str, nice: int) -> list[int]:
+    """Every thread of the side's API servers at `nice` (a thread's nice value is its own)."""
+    out = subprocess.run([sys.executable, "-m", "vsup", "ps", "--name", side, "--json"], capture_output=True,
+                         text=True, env={**os.environ, "VSUP_HOME": home}, check=True).stdout
+    pids = [p["pid"] for p in json.loads(out)["processes"] if p["role"] == "api-server"]
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    return pids
+
+
+def claim(servers: dict, children: Children, args) -> dict:
     loads = {"unloaded": (0, 0), "tokenize": (args.load_loops, 0),
              "mixed": (args.load_loops // 2, args.load_loops - args.load_loops // 2)}
     loads = {name: loads[name] for name in args.loads}
-    samples = {mode: {load: [] for load in loads} for mode in deployments}
-    done = {mode: {load: [] for load in loads if load != "unloaded"} for mode in deployments}
+    sides = list(servers)
+    samples = {side: {load: [] for load in loads} for side in sides}
+    done = {side: {load: [] for load in loads if load != "unloaded"} for side in sides}
+    rates = {side: {c: [] for c in args.claim_concurrency} for side in sides}
     seed = 0
     for r in range(args.rounds):
-        modes = list(deployments) if r % 2 == 0 else list(reversed(deployments))
-        for mode in modes:
-            url = deployments[mode].url
+        shift = r % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            server = servers[side]
             for load in (loads if r % 2 == 0 else list(reversed(loads))):
+                settle([s.proc for s in servers.values()])
                 seed += 1
                 tok, comp = loads[load]
-                proc = start_load(children, url, tok, comp, args.prompt_words, seed) if tok + comp else None
+                proc = start_load(children, server, tok, comp, args.prompt_words, seed) if tok + comp else None
                 try:
                     if proc:
-                        time.sleep(args.load_warmup_s)  # the first long prompts are in flight
-                    prompts = [f"r{r} {mode} {load} {i}: Once upon a time, in a city" for i in range(args.decode_streams)]
-                    run = asyncio.run(run_streams(url, MODEL, prompts, args.decode_tokens))
+                        time.sleep(args.load_warmup_s)  # the first long texts are in flight
+                    prompts = [f"r{r} {side} {load} {i}: Once upon a time, in a city" for i in range(args.decode_streams)]
+                    run = asyncio.run(run_streams(server.url, server.model, prompts, args.decode_tokens))
                 finally:
                     got = stop_load(proc) if proc else None
-                samples[mode][load] += run["itl_s"]
+                samples[side][load] += run["itl_s"]
                 if got:
-                    done[mode][load].append(got)
-                print(f"  round {r} {mode:13s} {load:9s} ITL p50 {percentile(run['itl_s'], 50) * 1e3:6.1f} ms  "
+                    done[side][load].append(got)
+                print(f"  round {r} {side:13s} {load:9s} ITL p50 {percentile(run['itl_s'], 50) * 1e3:6.1f} ms  "
                       f"p99 {percentile(run['itl_s'], 99) * 1e3:6.1f} ms" + (f"  load {got}" if got else ""),
                       flush=True)
+            for c in args.claim_concurrency:
+                settle([s.proc for s in servers.values()])
+                prompts = [f"r{r} {side} throughput {i} of {c}: Once upon a time" for i in range(c)]
+                run = asyncio.run(run_streams(server.url, server.model, prompts, args.decode_tokens))
+                rates[side][c].append(run["tokens"] / run["wall_s"])
+            print(f"  round {r} {side:13s} " + ", ".join(f"{c} streams {rates[side][c][-1]:.1f} tok/s"
+                                                         for c in args.claim_concurrency), flush=True)
     figures = {}
-    for mode in deployments:
-        base = percentile(samples[mode]["unloaded"], 99)
-        figures[mode] = {load: {"itl_p50_ms": percentile(s, 50) * 1e3, "itl_p99_ms": percentile(s, 99) * 1e3,
+    for side in sides:
+        base = percentile(samples[side]["unloaded"], 99)
+        figures[side] = {load: {"itl_p50_ms": percentile(s, 50) * 1e3, "itl_p99_ms": percentile(s, 99) * 1e3,
                                 "ratio_p99_vs_unloaded": ratio(percentile(s, 99), base)}
-                         for load, s in samples[mode].items()}
-        for load, got in done[mode].items():
+                         for load, s in samples[side].items()}
+        for load, got in done[side].items():
             secs = sum(g["seconds"] for g in got)
-            figures[mode][load]["tokenize_per_s"] = sum(g["tokenize"] for g in got) / secs
-            figures[mode][load]["completions_per_s"] = sum(g["completions"] for g in got) / secs
-            figures[mode][load]["errors"] = sum(g["errors"] for g in got)
-            figures[mode][load]["prompt_tokens"] = [t for g in got for t in g["prompt_tokens"]][:3]
-    return {"figures": figures, "itl_samples_s": samples, "load_done": done, "loads": loads}
+            figures[side][load]["tokenize_per_s"] = sum(g["tokenize"] for g in got) / secs
+            figures[side][load]["completions_per_s"] = sum(g["completions"] for g in got) / secs
+            figures[side][load]["errors"] = sum(g["errors"] for g in got)
+            figures[side][load]["prompt_tokens"] = [t for g in got for t in g["prompt_tokens"]][:3]
+        figures[side]["tokens_per_s"] = {str(c): statistics.median(v) for c, v in rates[side].items()}
+    if "reserve0" in figures:  # each side's throughput over the model on every core, at the same stream count
+        for side in sides:
+            figures[side]["tokens_per_s_vs_reserve0"] = {
+                c: ratio(t, figures["reserve0"]["tokens_per_s"][c]) for c, t in figures[side]["tokens_per_s"].items()}
+    return {"sides": {side: servers[side].name for side in sides}, "figures": figures, "itl_samples_s": samples,
+            "load_done": done, "loads": loads, "tokens_per_s_rounds": rates}
+
+
+def print_claim(b: dict, args) -> None:
+    f = b["figures"]
+    cs = [str(c) for c in args.claim_concurrency]
+    loaded = [ld for ld in b["loads"] if ld != "unloaded"]
+    print_table(f"(b) ITL p99 of {args.decode_streams} decode streams, calm and under long-text load (ms), "
+                f"ratio = loaded / calm; throughput at {', '.join(cs)} streams (tok/s)",
+                ["side", "calm p99", *[f"{ld} p99" for ld in loaded], *[f"{ld} ratio" for ld in loaded],
+                 *[f"c{c} tok/s" for c in cs], *[f"c{c} vs reserve 0" for c in cs], "tokenize/s"],
+                [[b["sides"][side], f[side]["unloaded"]["itl_p99_ms"], *[f[side][ld]["itl_p99_ms"] for ld in loaded],
+                  *[f"{f[side][ld]['ratio_p99_vs_unloaded']:.2f}" for ld in loaded],
+                  *[f[side]["tokens_per_s"][c] for c in cs],
+                  *[f"{f[side].get('tokens_per_s_vs_reserve0', {}).get(c, float('nan')):.2f}" for c in cs],
+                  f[side]["tokenize"]["tokenize_per_s"] if "tokenize" in f[side] else "-"]
+                 for side in b["sides"]])
 
 
 # (a) serving, side by side
@@ -334,9 +406,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of (b)")
     parser.add_argument("--decode-streams", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream in (b)")
-    parser.add_argument("--load-loops", type=int, default=6, help="concurrent load loops in (b)")
+    parser.add_argument("--load-loops", type=int, default=2, help="concurrent load clients in (b)")
     parser.add_argument("--loads", default=None, help="(b) loads (quick unloaded,tokenize; full also mixed)")
-    parser.add_argument("--prompt-words", type=int, default=2000, help="words of each long prompt (~1 token each)")
+    parser.add_argument("--prompt-words", type=int, default=4000, help="words of each long text (~1 token each)")
+    parser.add_argument("--claim-sides", default=",".join(CLAIM_SIDES),
+                        help=f"(b) sides, of {', '.join(CLAIM_SIDES)} (vLLM's only when it is installed)")
+    parser.add_argument("--claim-concurrency", default="16,64", help="(b) stream counts of each side's throughput")
     parser.add_argument("--load-warmup-s", type=float, default=1.0)
     parser.add_argument("--parts", default="a,b")
     parser.add_argument("--model", default=None, help="(a) a model directory (default: the default model)")
@@ -347,21 +422,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenize", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--completions", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--model-name", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.load:
         return load_main(args)
     run_mode = bench_mode(args)
     if run_mode == "smoke":
-        args.concurrency = "1,2"
+        args.concurrency, args.claim_concurrency, args.claim_sides = "1,2", "2", "vsup,reserve0_nice"
         args.output_tokens, args.serving_rounds, args.hf_sequential = 4, 1, 1
         args.rounds, args.decode_streams, args.decode_tokens, args.load_loops = 1, 2, 4, 2
         args.prompt_words, args.load_warmup_s, args.no_vllm = 200, 0.2, True
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.claim_concurrency = [int(c) for c in args.claim_concurrency.split(",")]
+    args.claim_sides = args.claim_sides.split(",")
+    if unknown := set(args.claim_sides) - set(CLAIM_SIDES):
+        parser.error(f"--claim-sides: unknown {', '.join(sorted(unknown))}; of {', '.join(CLAIM_SIDES)}")
     args.output_tokens = args.output_tokens or (16 if args.quick else 64)
     args.serving_rounds = args.serving_rounds or (1 if args.quick else 2)
     args.hf_sequential = args.hf_sequential or (1 if args.quick else 2)
-    args.rounds = args.rounds or (1 if args.quick else 4)
-    args.decode_tokens = args.decode_tokens or (12 if args.quick else 64)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.decode_tokens = args.decode_tokens or (32 if args.quick else 64)
     args.loads = (args.loads or ("unloaded,tokenize" if args.quick else "unloaded,tokenize,mixed")).split(",")
     if "unloaded" not in args.loads:
         parser.error("--loads must include unloaded (the baseline of the ratios)")
@@ -374,8 +454,8 @@ def main(argv: list[str] | None = None) -> None:
         "concurrency": args.concurrency, "output_tokens": args.output_tokens, "serving_rounds": args.serving_rounds,
         "hf_sequential": args.hf_sequential, "hf_threads": args.hf_threads, "rounds": args.rounds,
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
-        "loads": args.loads, "prompt_words": args.prompt_words, "engine_args": ENGINE_ARGS,
-        "model": args.model, "device": args.device}}
+        "loads": args.loads, "prompt_words": args.prompt_words, "claim_sides": args.claim_sides,
+        "claim_concurrency": args.claim_concurrency, "model": args.model, "device": args.device}}
     model_dir = Path(args.model).resolve() if args.model else default_model_dir()
     found = vllm_cpu.detect()
     results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}
@@ -383,45 +463,17 @@ def main(argv: list[str] | None = None) -> None:
     if not found["available"]:
         print(f"vLLM-CPU not available: {found['why_not']}", flush=True)
     with Children(grace_s=30) as children, tempfile.TemporaryDirectory(prefix="vsup-bench-serve-") as tmp:
-        deployments: dict[str, LocalDeployment] = {}
         servers: dict = {}
         try:
-            if "a" in parts:  # vsup serve as a user runs it: the default settings (the worker on every core)
+            if "a" in parts:  # vsup serve as a user runs it: the default settings
                 device = ["--device", args.device] if args.device else []
                 memory = ["--gpu-memory-utilization", "0.3"] if on_gpu else []  # the rest for transformers
                 servers["vsup"] = vsup_serve(children, tmp, *device, *memory,
                                              model_dir=model_dir if args.model else None)
                 if use_vllm:
                     servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind)
-            if "b" in parts:
-                for mode_ in ("multiprocess", "in-process"):
-                    d = LocalDeployment(model_dir, tempfile.mkdtemp(prefix="vsup-bench-"), served_model_name=MODEL,
-                                        max_model_len=4096, kv_cache_bytes=512 << 20, api_args=ENGINE_ARGS)
-                    children.own_shm(f"vsup-test-{d.tag}")
-                    deployments[mode_] = d
-                    d.start(in_process=mode_ == "in-process")
-            for name, server in servers.items():
-                t = time.perf_counter()
-                try:
-                    server.wait_ready(timeout_s=600)
-                except (RuntimeError, TimeoutError) as e:
-                    if name != "vllm":
-                        raise
-                    results["vllm"]["why_not"] = f"installed, but did not serve: {str(e)[-300:]}"
-                    print(f"vLLM-CPU did not start; (a) goes on without it: {e}", flush=True)
-                    server.stop()
-                    del servers[name]
-                    break
-                asyncio.run(run_streams(server.url, server.model, ["warm-up 1", "warm-up 2"], 8))
-                print(f"{server.name} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
-            results["vllm"]["used"] = "vllm" in servers
-            for mode_, d in deployments.items():
-                t = time.perf_counter()
-                d.wait_ready(timeout_s=300)
-                asyncio.run(run_streams(d.url, MODEL, ["warm-up 1", "warm-up 2"], 8))  # first forward, routes
-                print(f"{mode_} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
-
-            if "a" in parts:
+                ready(servers, results)
+                results["vllm"]["used"] = "vllm" in servers
                 hf = HfServing(str(model_dir), "cuda" if on_gpu else "cpu")
                 a = results["serving"] = serving(servers, hf, args)
                 del hf
@@ -431,30 +483,35 @@ def main(argv: list[str] | None = None) -> None:
                 results["latency"] = {row["streams"]: {k: v for k, v in row["vsup"].items()
                                                        if k != "tokens_per_s_rounds"} for row in a["rows"]}
             if "b" in parts:
-                b = claim(deployments, children, args)
-                results["claim"] = b
-                f = b["figures"]
-                rows = []
-                for load in b["loads"]:
-                    mp_, ip = f["multiprocess"][load], f["in-process"][load]
-                    rows.append([load, mp_["itl_p50_ms"], mp_["itl_p99_ms"], mp_["ratio_p99_vs_unloaded"],
-                                 ip["itl_p50_ms"], ip["itl_p99_ms"], ip["ratio_p99_vs_unloaded"],
-                                 ratio(mp_["ratio_p99_vs_unloaded"], ip["ratio_p99_vs_unloaded"])])
-                print_table(f"(b) ITL of {args.decode_streams} decode streams under long-prompt load (ms); "
-                            f"ratio = p99 / own unloaded p99",
-                            ["load", "MP p50", "MP p99", "MP ratio", "IP p50", "IP p99", "IP ratio", "MP/IP"], rows)
-                print_table("(b) load served per second (requests/s)", ["load", "MP tokenize", "MP compl",
-                                                                        "IP tokenize", "IP compl"],
-                            [[load, f["multiprocess"][load]["tokenize_per_s"], f["multiprocess"][load]["completions_per_s"],
-                              f["in-process"][load]["tokenize_per_s"], f["in-process"][load]["completions_per_s"]]
-                             for load in b["loads"] if load != "unloaded"])
+                servers = start_claim_sides(children, tmp, model_dir, found, args)
+                ready(servers, results)
+                for key in servers:
+                    if nice := CLAIM_SIDES[key].api_nice:
+                        print(f"  {key}: API server pids {renice_api_servers(tmp, key, nice)} at nice {nice}")
+                b = results["claim"] = claim(servers, children, args)
+                print_claim(b, args)
         finally:
             for server in servers.values():
                 server.stop()
-            for d in deployments.values():
-                d.stop()
-                shutil.rmtree(d.run_dir, ignore_errors=True)
     write_results("api_server", results, run_mode)
+
+
+def ready(servers: dict, results: dict) -> None:
+    """Wait for every server and warm each up; a vLLM that does not start is left out, and why noted."""
+    for name, server in list(servers.items()):
+        t = time.perf_counter()
+        try:
+            server.wait_ready(timeout_s=600)
+        except (RuntimeError, TimeoutError) as e:
+            if not name.startswith("vllm"):
+                raise
+            results["vllm"]["why_not"] = f"installed, but did not serve: {str(e)[-300:]}"
+            print(f"vLLM-CPU did not start; the bench goes on without it: {e}", flush=True)
+            server.stop()
+            del servers[name]
+            continue
+        asyncio.run(run_streams(server.url, server.model, ["warm-up 1", "warm-up 2"], 8))  # first forward, routes
+        print(f"{server.name} ready (+{time.perf_counter() - t:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

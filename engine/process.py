@@ -35,9 +35,27 @@ def die_with_supervisor() -> None:
             os._exit(1)  # the supervisor is already gone: nobody would ever stop us
 
 
+def place_self() -> None:
+    """Take the place the supervisor gave this process (vsup/placement.py): its CPUs (VSUP_CPUS, such
+    as `0,1,2`) and nice value (VSUP_NICE). Called before any thread starts, so every thread this
+    process makes inherits them."""
+    cpus = os.environ.get("VSUP_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    nice = os.environ.get("VSUP_NICE")
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+
+
+def threads(default: int) -> int:
+    """The threads the supervisor's placement gives this process (VSUP_THREADS), else `default`."""
+    return int(os.environ.get("VSUP_THREADS") or default)
+
+
 def become(default_name: str) -> str:
-    """Set the process title and die with the supervisor; returns the process name."""
+    """Set the process title, take its place and die with the supervisor; returns the process name."""
     die_with_supervisor()
+    place_self()
     name = process_name(default_name)
     title = os.environ.get("VSUP_PROCESS_TITLE", "vsup::" + name.replace(" ", "_"))
     try:

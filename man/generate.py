@@ -113,8 +113,9 @@ ENVIRONMENT = {
                        "whose lines it parses.",
     "VSUP_LOG_LEVEL": "The lowest level every process logs: debug, info (the default), warning or error. "
                       "The children of `vsup serve` inherit it.",
-    "VSUP_CPU_AFFINITY": "Set by `vsup serve` for each CPU worker: the cores it pins itself to (its own "
-                         "share of the supervisor's, when there are at least as many as CPU workers).",
+    "VSUP_CPUS": "Set by `vsup serve` for each process it pins (see --cpu-reserve): the CPUs it pins itself "
+                 "to at start. VSUP_THREADS (a worker's torch threads, an API server's tokenizer threads) and "
+                 "VSUP_NICE (its nice value) go with it.",
     "VSUP_PACKED_LINEAR": "0 makes CPU workers run their linear layers through F.linear instead of "
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
     "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from vsup.errors import UsageError
+from vsup.placement import Machine
 
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"
 
@@ -28,6 +29,7 @@ class Gpu:
     uuid: str
     total_bytes: int
     holders: tuple[tuple[int, int], ...] = ()  # (pid, bytes)
+    numa: int = 0  # the NUMA node it is attached to
 
 
 def nvml_gpus() -> list[Gpu]:
@@ -47,8 +49,10 @@ def nvml_gpus() -> list[Gpu]:
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             holders = tuple((p.pid, p.usedGpuMemory or 0)  # None where the driver may not say (some MIG, WSL)
                             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
             gpus.append(Gpu(index, uuid.decode() if isinstance(uuid, bytes) else uuid,
-                            pynvml.nvmlDeviceGetMemoryInfo(handle).total, holders))
+                            pynvml.nvmlDeviceGetMemoryInfo(handle).total, holders,
+                            _pci_numa_node(bus.decode() if isinstance(bus, bytes) else bus)))
         return gpus
     except pynvml.NVMLError:
         return []
@@ -108,11 +112,34 @@ def check_devices(device: str, needed: int) -> None:
             f"or use --device cpu")
 
 
-def cpu_shares(allowed: list[int], num_workers: int) -> list[list[int]]:
-    """Each CPU worker's own cores: `allowed` split into equal runs, one per worker, in order
-    (the rest unused); [] for everyone when there are fewer cores than workers (no pinning)."""
-    share = len(allowed) // num_workers if num_workers else 0
-    if share < 1:
-        return [[] for _ in range(num_workers)]
-    cores = sorted(allowed)
-    return [cores[i * share:(i + 1) * share] for i in range(num_workers)]
+def _pci_numa_node(bus_id: str) -> int:
+    """The NUMA node of a PCI device (`00000000:3B:00.0` as NVML spells it); 0 where the kernel says none."""
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id[-12:].lower()}/numa_node") as f:
+            return max(0, int(f.read()))
+    except (OSError, ValueError):
+        return 0
+
+
+def this_machine(device: str) -> Machine:
+    """The CPUs this process may use, this node's NUMA nodes, and (on CUDA) where its visible GPUs sit."""
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    numa = []
+    for n in range(256):
+        try:
+            with open(f"/sys/devices/system/node/node{n}/cpulist") as f:
+                numa.append(tuple(c for c in parse_cpu_list(f.read()) if c in cpus))
+        except OSError:
+            break
+    gpus = as_visible(nvml_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES")) if device == "cuda" else []
+    return Machine(cpus, tuple(numa) if len(numa) > 1 else (), tuple(g.numa for g in gpus))
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """The kernel's cpulist format (`0-3,8,10-11`) as CPU numbers."""
+    cpus = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus

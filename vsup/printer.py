@@ -34,8 +34,9 @@ def tree_rows(processes: list, role=lambda p: p.role, group=lambda p: (p.r, p.dp
     return rows
 
 
-def render_plan(plan: Plan) -> str:
-    """The tree under the supervisor of each node, then the formula."""
+def render_plan(plan: Plan, placement: dict | None = None) -> str:
+    """The tree under the supervisor of each node, then the formula; with `placement` (name ->
+    vsup.placement.Placement), each process's CPUs."""
     lines = []
     many_nodes = len(plan.nodes()) > 1 or plan.config.headless
     for node in plan.nodes():
@@ -45,7 +46,8 @@ def render_plan(plan: Plan) -> str:
         where = f"node {node}" + (" (head)" if node == 0 else " (headless)")
         lines.append(f"supervisor (vsup serve{', ' + where if many_nodes else ''})")
         for prefix, p in rows:
-            lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}  {p.title}")
+            cpus = f"  {'cpus ' + placement[p.name].describe():<16}" if placement else ""
+            lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}{cpus}  {p.title}")
         if many_nodes:
             share = Plan(plan.config, tuple(processes))
             lines.append(f"{where}: {share.formula}")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine import process
 from engine.load import LoadMeter
 
 # Longer texts are tokenized in a thread, so the event loop keeps streaming meanwhile.
@@ -41,6 +44,9 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
         self.meter = LoadMeter()  # the API server's own, for `vsup ps` (time spent tokenizing)
+        # long texts are tokenized on as many threads as the API server has CPUs (its placement, else
+        # up to 4): however many clients post long texts, tokenizing takes no more CPU than that
+        self.pool = ThreadPoolExecutor(process.threads(min(4, os.cpu_count() or 1)), thread_name_prefix="tokenize")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -74,7 +80,7 @@ class Tokenizer:
         """`encode`, off the event loop for long texts."""
         if len(text) < THREAD_THRESHOLD_CHARS:
             return self.encode(text, add_special_tokens)
-        return await asyncio.to_thread(self.encode, text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.encode, text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of token ids; a broken UTF-8 sequence shows as U+FFFD."""

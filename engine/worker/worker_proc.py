@@ -64,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     default_name = f"worker dp{args.dp_rank} pp{args.pp_rank} tp{args.tp_rank}"
     name = become(default_name)
     log = configure("worker", dp=args.dp_rank, pp=args.pp_rank, tp=args.tp_rank)
-    cores = os.environ.get("VSUP_CPU_AFFINITY")  # the supervisor's share of the cores for this worker
-    if cores and args.device == "cpu":
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     threads = args.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world)
     config = WorkerConfig(

@@ -4,6 +4,7 @@ real (a tokenizer that cannot keep up, a KV cache too small), and `ps -w` refres
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -137,3 +138,39 @@ def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
                 assert wanted <= found[metric] | {"le"}, (expr, found[metric])
     assert {"process", "role", "kind"} <= found["vsup_process_busy_ratio"]
     assert s.stop()[0] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_each_process_runs_on_the_cpus_plan_gives_it_and_ps_shows_them(serve):
+    """On 2 CPUs (taskset), the default placement keeps the second for the API server and the engine core
+    and gives the first to the worker, every thread of it; --cpu-reserve 0 gives the worker both. ps shows
+    each process's CPU set, as plan predicted it on the same CPUs."""
+    from vsup.placement import cpu_list
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    both = cpu_list([first, second])
+    taskset = ("taskset", "-c", both)
+    for flags, planned, expected in (
+            ((), {"api-server a0": f"{second} (shared)", "engine-core dp0": f"{second} (shared)",
+                  "worker dp0 pp0 tp0": f"{first}"},
+             {"api-server a0": [second], "engine-core dp0": [second], "worker dp0 pp0 tp0": [first]}),
+            (("--cpu-reserve", "0"), {"api-server a0": "any", "engine-core dp0": "any", "worker dp0 pp0 tp0": both},
+             {"api-server a0": [first, second], "engine-core dp0": [first, second],
+              "worker dp0 pp0 tp0": [first, second]})):
+        plan = subprocess.run([*taskset, *VSUP, "plan", "--device", "cpu", *flags], capture_output=True, text=True,
+                              check=True).stdout
+        for name, cpus in planned.items():
+            assert re.search(rf"{name}\s+\S+\s+cpus {re.escape(cpus)}\s", plan), plan
+        s = serve(*flags, prefix=taskset)
+        state = s.wait_serving()
+        assert {p["name"]: p["cpus"] for p in state["processes"]} == expected
+        worker = next(p for p in state["processes"] if p["role"] == "worker")
+        threads = os.listdir(f"/proc/{worker['pid']}/task")
+        assert len(threads) > 1 and all(sorted(os.sched_getaffinity(int(t))) == expected[worker["name"]]
+                                        for t in threads)  # torch's threads too
+        logged = [json.loads(line) for line in s.vsup("logs", "--role", "worker", "--json").stdout.splitlines()]
+        starting = [r for r in logged if r.get("event") == "starting"][-1]  # (setproctitle reuses /proc/PID/environ)
+        assert starting["threads"] == len(expected[worker["name"]]) and starting["cores"] == expected[worker["name"]]
+        table = s.vsup("ps", "--flat").stdout
+        assert re.search(rf"worker dp0 pp0 tp0\s.*\s{cpu_list(expected[worker['name']])}\s", table), table
+        assert s.stop()[0] == 0

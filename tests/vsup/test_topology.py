@@ -184,12 +184,3 @@ def test_a_group_spanning_nodes_splits_its_workers_and_meets_at_the_master_port(
 def test_spanning_mistakes_name_the_flag(kwargs, flag):
     with pytest.raises(UsageError, match=flag.replace("-", r"\-")):
         ParallelConfig(**kwargs)
-
-
-def test_cpu_workers_get_their_own_cores_when_there_are_enough():
-    from vsup.devices import cpu_shares
-
-    assert cpu_shares([0, 1], 2) == [[0], [1]]
-    assert cpu_shares([3, 2, 1, 0, 7], 2) == [[0, 1], [2, 3]]  # 7 left over
-    assert cpu_shares([0, 1], 3) == [[], [], []]  # fewer cores than workers: no pinning
-    assert cpu_shares([0], 0) == []

@@ -99,6 +99,13 @@ Multiprocessing = Annotated[bool, _option(
     "--multiprocessing/--no-multiprocessing", panel=PARALLEL, envvar="VSUP_ENABLE_MULTIPROCESSING",
     help="--no-multiprocessing runs the engine core (and with TP = PP = 1 the worker) inside the one "
          "API server process, so scheduling order is repeatable. Needs DP = 1 and one API server.")]
+CpuReserve = Annotated[Optional[int], _option(
+    "--cpu-reserve", panel=PARALLEL, show_default=False, min=0,
+    help="CPU cores kept for the API servers, engine cores and coordinator, apart from the CPU workers' "
+         "cores, so that load on an API server (tokenizing long prompts) cannot slow decoding; vLLM-CPU "
+         "keeps one too. 0 gives the model every core: more throughput, but the API servers then take "
+         "the workers' CPU.  [default: a core for each of them as far as the cores go, leaving each CPU "
+         "worker one: 1 on a 2-core host with one worker]")]
 
 DTypeOpt = Annotated[DType, _option(
     "--dtype", panel=MEMORY, case_sensitive=False,

@@ -26,11 +26,13 @@ def plan(
     max_model_len: options.MaxModelLen = None,
     kv_cache_memory: options.KvCacheMemory = None,
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
+    cpu_reserve: options.CpuReserve = None,
     as_json: options.Json = False,
 ) -> None:
     """Predict the process tree and its count before launch: the same list `vsup serve` starts.
 
     Count = API servers + DP engine cores + DP x TP x PP workers (+ 1 coordinator when DP > 1).
+    Each process's CPUs as `serve` would pin them on this machine (--cpu-reserve).
     With --engine vllm: the tree a stock `vllm serve` builds, by vLLM's rules (its helpers counted apart).
     """
     from vsup.cli.sizing import model_memory, split_engine_args
@@ -49,8 +51,10 @@ def plan(
 
         check_supported(config)
         the_plan = vllm_plan(config, replicas=replicas)
+        placement = None
     else:
         the_plan = make_plan(config)
+        placement = placement_of(the_plan, cpu_reserve)
     shape = memory = None
     if model is not None:
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
@@ -63,9 +67,20 @@ def plan(
         typer.echo(json.dumps(out, indent=2))
     else:
         from vsup.printer import render_memory, render_plan
-        typer.echo(render_plan(the_plan))
+        typer.echo(render_plan(the_plan, placement))
         if memory is not None:
             typer.echo(render_memory(shape, memory, max_model_len))
+
+
+def placement_of(the_plan, cpu_reserve: int | None) -> dict:
+    """Where each process of the plan runs on this machine, node by node (a remote node is taken to be
+    like this one): vsup/placement.py."""
+    from vsup.devices import this_machine
+    from vsup.placement import place
+
+    machine = this_machine(the_plan.config.device)
+    return {name: where for node in the_plan.nodes()
+            for name, where in place(the_plan.on_node(node), machine, cpu_reserve).items()}
 
 
 def memory_json(memory) -> dict:

@@ -17,8 +17,8 @@ app = typer.Typer()
 def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_json: options.Json = False,
        watch: options.Watch = False, interval: options.Interval = 2.0, flat: options.Flat = False) -> None:
     """Show the live process tree, as `vsup plan` draws it: each process's pid, state, uptime, restarts,
-    last exit, CPU%, RSS, device, device memory and what it is busy with (LOAD), then a one-line
-    diagnosis when something stands out (an API server that is the bottleneck, a full KV cache, an
+    last exit, CPU%, the CPUs it may run on (CPUS), RSS, device, device memory and what it is busy with
+    (LOAD), then a one-line diagnosis when something stands out (an API server that is the bottleneck, a full KV cache, an
     idle DP rank).
 
     LOAD: an API server's event-loop busy share and time spent tokenizing; an engine core's share of
@@ -63,7 +63,7 @@ def snapshot(run_dir, replica: int | None = None) -> dict:
         state = run_dir.read_state()
         state["supervisor"]["live"] = False
         for p in state["processes"]:
-            p["cpu_percent"] = p["rss_bytes"] = None
+            p["cpu_percent"] = p["rss_bytes"] = p["cpus"] = None
             if p.get("pid") is not None and still_running(p["pid"], p["title"]):
                 p["state"] = "orphaned"  # outlived its supervisor: it may still hold memory
     if replica is not None:
@@ -150,18 +150,19 @@ def render(state: dict, flat: bool = False) -> str:
     return "\n".join(lines)
 
 
-LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "RSS", "DEVICE")
+LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "CPUS", "RSS", "DEVICE")
 
 
 def _live(p: dict, live: bool, now: float) -> tuple[str, ...]:
     from vsup.memory import format_bytes
+    from vsup.placement import cpu_list
 
     alive = p.get("pid") is not None and live
     return (str(p.get("pid") or "-"), p["state"],
             _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
             str(p.get("restarts", 0)), p.get("last_exit") or "-",
             f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
-            format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-")
+            cpu_list(p["cpus"]) if p.get("cpus") else "-", format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-")
 
 
 def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:

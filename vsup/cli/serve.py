@@ -36,6 +36,7 @@ def serve(
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
     max_num_seqs: options.MaxNumSeqs = 256,
     seed: options.Seed = 0,
+    cpu_reserve: options.CpuReserve = None,
     host: options.Host = "127.0.0.1",
     port: options.Port = 8000,
     name: options.Name = "default",
@@ -69,6 +70,7 @@ def serve(
     requests of one that died go on at once on another.
     """
     from vsup.cli import crash
+    from vsup.cli.plan import placement_of
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.supervisor.manager import Options
@@ -103,13 +105,15 @@ def serve(
         check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep})
         kv_cache_bytes = memory.stages[0].kv_cache_bytes if kv_cache_memory else None  # else vLLM's own default
         the_plan = vllm_deployment(parallel, replace(flags, kv_cache_bytes=kv_cache_bytes), vllm_bin, extra, api_key,
-                                   FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas)
+                                   FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas,
+                                   cpu_reserve)
         tree = VllmOptions(health_timeout=health_timeout, hang_timeout=hang_timeout)
     else:
         ours = replace(flags, dtype=memory.dtype, kv_cache_bytes=memory.stages[0].kv_cache_bytes)
         args = engine_args(ours, multiprocessing=parallel.multiprocessing, dp_lockstep=dp_lockstep)
         the_plan = make_plan(parallel, python=sys.executable, engine_args=args, run_dir=str(run_dir.path),
                              deployment=name)
+        run.placement = placement_of(Plan(parallel, tuple(the_plan.on_node(the_plan.nodes()[0]))), cpu_reserve)
         if parallel.headless:
             run.url = f"the head node at {parallel.dp_address or parallel.master}"
         secrets = {"VSUP_API_KEY": api_key, "VSUP_CLUSTER_SECRET": cluster_secret}  # the environment, never argv

@@ -70,13 +70,14 @@ class ControlServer:
         return {"error": f"unknown command {cmd!r}"}
 
     def ps(self) -> dict:
-        """The snapshot plus what psutil sees of each live process (CPU% since the last ps, RSS), what it
+        """The snapshot plus what psutil sees of each live process (CPU% since the last ps, RSS, the CPUs
+        it may run on), what it
         last reported it is busy with (`load`), and the diagnosis of it all."""
         state = self.supervisor.snapshot()
         now = time.time()
         for p in state["processes"]:
             pid = p.get("pid")
-            p["cpu_percent"] = p["rss_bytes"] = None
+            p["cpu_percent"] = p["rss_bytes"] = p["cpus"] = None
             if pid is None:
                 continue
             p["load"] = load_figures(self.supervisor.loads.get(p["name"]), pid, now)
@@ -85,6 +86,7 @@ class ControlServer:
                 with proc.oneshot():
                     p["cpu_percent"] = proc.cpu_percent(None)
                     p["rss_bytes"] = proc.memory_info().rss
+                    p["cpus"] = sorted(proc.cpu_affinity())
             except psutil.Error:
                 pass
         self.add_gpu_memory(state)

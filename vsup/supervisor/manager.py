@@ -12,7 +12,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from vsup import addresses
-from vsup.devices import cpu_shares
 from vsup.rundir import RunDir
 from vsup.supervisor import notify, units
 from vsup.supervisor.child import Child
@@ -34,6 +33,15 @@ class Options:
     drain_timeout: float = 30.0
     stop_timeout: float = 10.0
     env: dict | None = None
+    placement: dict | None = None  # process name -> vsup.placement.Placement; None: nothing pinned
+
+
+def placement_env(where, env: dict) -> dict:
+    """What a child reads at start (engine/process.py) to place itself: its CPUs, threads and nice value;
+    a user's OMP_NUM_THREADS wins over the threads."""
+    return {"VSUP_THREADS": str(where.threads), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(where.threads)),
+            **({"VSUP_CPUS": ",".join(map(str, where.cpus))} if where.cpus else {}),
+            **({"VSUP_NICE": str(where.nice)} if where.nice else {})}
 
 
 class Unit:
@@ -141,23 +149,15 @@ class Supervisor:
     def start(self, children: list[Child]) -> None:
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
-        cpu_workers = [c for c in self.children if c.spec.role == WORKER and c.spec.device == "cpu"]
-        shares = dict(zip((c.spec.name for c in cpu_workers), cpu_shares(sorted(os.sched_getaffinity(0)),
-                                                                         len(cpu_workers))))
         for dp in {c.spec.dp for c in children if c.spec.role == WORKER}:
             self.generation[dp] = self.generation.get(dp, 0) + 1
         for child in children:
             spec = child.spec
-            child_env = env
             if spec.role == WORKER:
                 child.extra_argv = ["--dist-init-method", addresses.dist_init_method(
                     str(self.run_dir.path), spec.dp, self.generation[spec.dp], self.plan.config.master)]
-                if spec.device == "cpu":  # each CPU worker on its own share of the cores, one thread each
-                    cores = shares[spec.name]
-                    threads = len(cores) or max(1, (os.cpu_count() or 1) // len(cpu_workers))
-                    child_env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(threads)),
-                                 **({"VSUP_CPU_AFFINITY": ",".join(map(str, cores))} if cores else {})}
-            out, err = child.spawn(child_env)
+            where = (self.options.placement or {}).get(spec.name)
+            out, err = child.spawn({**env, **placement_env(where, env)} if where else env)
             if spec.role == ENGINE_CORE:
                 self.notifier.connect(spec.dp)
             tag = {"name": spec.name, "role": spec.role, "a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp,

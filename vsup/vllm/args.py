@@ -68,15 +68,18 @@ def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: 
     return [*argv, *extra]
 
 
-def cpu_placement(allowed: list[int], workers: int) -> tuple[list[list[int]], list[int]]:
+def cpu_placement(allowed: list[int], workers: int, reserve: int | None = None) -> tuple[list[list[int]], list[int]]:
     """The cores of each of vLLM's CPU workers, and those kept for the rest (vsup's front, vLLM's API
-    server and engine core): as vLLM's own binding does, one core is kept for them when there are more
-    cores than workers, so that nothing else runs on a worker's cores between its steps."""
-    from vsup.devices import cpu_shares
+    server and engine core): `reserve` cores, by default one when there are more cores than workers, as
+    vLLM's own binding does, so that nothing else runs on a worker's cores between its steps."""
+    from vsup.placement import check_reserve, split
 
     cores = sorted(allowed)
-    kept = cores[-1:] if workers and len(cores) > workers else []
-    return cpu_shares(cores[:len(cores) - len(kept)], workers), kept
+    if reserve is None:
+        reserve = 1 if workers and len(cores) > workers else 0
+    check_reserve(reserve, len(cores), workers)
+    kept = cores[len(cores) - reserve:] if reserve else []
+    return split(cores[:len(cores) - len(kept)], workers), kept
 
 
 def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[int]], api_key: str | None,

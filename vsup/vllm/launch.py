@@ -36,11 +36,12 @@ class FrontFlags:
 
 
 def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | None, extra: tuple[str, ...],
-                    api_key: str | None, front: FrontFlags, run_dir: str, replicas: int = 1) -> Plan:
+                    api_key: str | None, front: FrontFlags, run_dir: str, replicas: int = 1,
+                    cpu_reserve: int | None = None) -> Plan:
     """The plan of the deployment in `run_dir`: the front, and each replica's vLLM behind it."""
     binary = find_vllm(vllm_bin)
     workers = sum(p.role == WORKER and p.device == "cpu" for p in vllm_plan(config).processes)
-    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas)
+    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas, cpu_reserve)
     upstream_key = secrets.token_urlsafe(24)
     trees, upstreams = [], []
     for r in range(replicas):
