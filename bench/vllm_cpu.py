@@ -101,7 +101,7 @@ def _install_error() -> str:
 def bind_env(bind: str) -> dict:
     """vLLM-CPU's thread placement: "all" binds its OpenMP threads to every CPU (as vsup's worker
     uses every core) and reserves none for the front end; "auto" leaves vLLM's default."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_LOGGING_LEVEL": "WARNING",
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_LOGGING_LEVEL": "WARNING",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if bind == "all":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -19,6 +19,13 @@ from vsup.errors import UsageError
 from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, ProcessSpec
 
 
+# An API server that shares its CPUs with an engine core runs at this nice value: the core's step wins
+# the CPU when both want it, and the API server still streams at once when the core sleeps (which it
+# does for most of each step). Not where it shares with the workers (--cpu-reserve 0): their threads
+# keep every core busy, and a niced API server then streams late (bench/api_server.py part b).
+API_SERVER_NICE = 5
+
+
 @dataclass(frozen=True)
 class Machine:
     """The CPUs the supervisor may use, and where they and the GPUs sit."""
@@ -45,10 +52,9 @@ class Placement:
     exclusive: bool = False
 
     def describe(self) -> str:
-        """`0-3`, `4 (shared)`, `any` (not pinned)."""
-        if not self.cpus:
-            return "any"
-        return cpu_list(self.cpus) + ("" if self.exclusive else " (shared)")
+        """`0-3`, `4 (shared)`, `4 (shared, nice 5)`, `any` (not pinned)."""
+        notes = ([] if self.exclusive or not self.cpus else ["shared"]) + ([f"nice {self.nice}"] if self.nice else [])
+        return (cpu_list(self.cpus) if self.cpus else "any") + (f" ({', '.join(notes)})" if notes else "")
 
 
 def cpu_workers(processes: Sequence[ProcessSpec]) -> list[ProcessSpec]:
@@ -101,10 +107,13 @@ def _cpu_host(workers: list[ProcessSpec], others: list[ProcessSpec], machine: Ma
 
 def _others(others: list[ProcessSpec], kept: list[int]) -> dict[str, Placement]:
     """API servers, engine cores and the coordinator on the kept cores: each on its own where there are
-    enough, else all of them over all the kept cores (an API server's tokenizer threads as many)."""
+    enough, else all of them over all the kept cores (an API server's tokenizer threads as many), the
+    API servers at API_SERVER_NICE so that an engine core's step wins the core they share."""
     if len(kept) >= len(others):
         return {p.name: Placement((core,), exclusive=True) for p, core in zip(others, kept)}
-    return {p.name: Placement(tuple(kept), max(1, len(kept)) if p.role == API_SERVER else 1) for p in others}
+    shared = bool(kept) and any(p.role == ENGINE_CORE for p in others)
+    return {p.name: Placement(tuple(kept), max(1, len(kept)), API_SERVER_NICE if shared else 0)
+            if p.role == API_SERVER else Placement(tuple(kept)) for p in others}
 
 
 def _gpu_host(processes: list[ProcessSpec], machine: Machine) -> dict[str, Placement]:

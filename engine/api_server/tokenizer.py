@@ -26,6 +26,9 @@ from engine.load import LoadMeter
 
 # Longer texts are tokenized in a thread, so the event loop keeps streaming meanwhile.
 THREAD_THRESHOLD_CHARS = 4096
+# The nice value of those threads (Linux's is per thread; the `tokenizers` call releases the GIL): where
+# tokenizing shares a CPU with the engine core, or with the event loop streaming others' tokens, it waits
+TOKENIZER_NICE = 10
 
 
 class TokenizerError(ValueError):
@@ -45,8 +48,10 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
         self.meter = LoadMeter()  # the API server's own, for `vsup ps` (time spent tokenizing)
         # long texts are tokenized on as many threads as the API server has CPUs (its placement, else
-        # up to 4): however many clients post long texts, tokenizing takes no more CPU than that
-        self.pool = ThreadPoolExecutor(process.threads(min(4, os.cpu_count() or 1)), thread_name_prefix="tokenize")
+        # up to 4), at TOKENIZER_NICE: however many clients post long texts, tokenizing takes no more
+        # CPU than that, and only what the step loop and the streams leave
+        self.pool = ThreadPoolExecutor(process.threads(min(4, os.cpu_count() or 1)), thread_name_prefix="tokenize",
+                                       initializer=os.nice, initargs=(TOKENIZER_NICE,))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:

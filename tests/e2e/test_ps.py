@@ -143,7 +143,8 @@ def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_each_process_runs_on_the_cpus_plan_gives_it_and_ps_shows_them(serve):
     """On 2 CPUs (taskset), the default placement keeps the second for the API server and the engine core
-    and gives the first to the worker, every thread of it; --cpu-reserve 0 gives the worker both. ps shows
+    (the API server at nice 5) and gives the first to the worker, every thread of it; --cpu-reserve 0
+    gives the worker both. ps shows
     each process's CPU set, as plan predicted it on the same CPUs."""
     from vsup.placement import cpu_list
 
@@ -151,7 +152,7 @@ def test_each_process_runs_on_the_cpus_plan_gives_it_and_ps_shows_them(serve):
     both = cpu_list([first, second])
     taskset = ("taskset", "-c", both)
     for flags, planned, expected in (
-            ((), {"api-server a0": f"{second} (shared)", "engine-core dp0": f"{second} (shared)",
+            ((), {"api-server a0": f"{second} (shared, nice 5)", "engine-core dp0": f"{second} (shared)",
                   "worker dp0 pp0 tp0": f"{first}"},
              {"api-server a0": [second], "engine-core dp0": [second], "worker dp0 pp0 tp0": [first]}),
             (("--cpu-reserve", "0"), {"api-server a0": "any", "engine-core dp0": "any", "worker dp0 pp0 tp0": both},
@@ -164,6 +165,8 @@ def test_each_process_runs_on_the_cpus_plan_gives_it_and_ps_shows_them(serve):
         s = serve(*flags, prefix=taskset)
         state = s.wait_serving()
         assert {p["name"]: p["cpus"] for p in state["processes"]} == expected
+        api_server = next(p for p in state["processes"] if p["role"] == "api-server")
+        assert os.getpriority(os.PRIO_PROCESS, api_server["pid"]) == (0 if flags else 5)  # the core wins their CPU
         worker = next(p for p in state["processes"] if p["role"] == "worker")
         threads = os.listdir(f"/proc/{worker['pid']}/task")
         assert len(threads) > 1 and all(sorted(os.sched_getaffinity(int(t))) == expected[worker["name"]]

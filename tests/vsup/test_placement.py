@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsup.errors import UsageError
-from vsup.placement import Machine, Placement, cpu_list, default_reserve, place, split
+from vsup.placement import API_SERVER_NICE, Machine, Placement, cpu_list, default_reserve, place, split
 from vsup.topology import ParallelConfig, plan
 
 
@@ -16,14 +16,15 @@ def processes(device="cpu", **flags):
 def test_a_two_core_host_keeps_one_core_for_the_api_server_and_the_engine_core():
     placed = place(processes(), Machine((0, 1)))
     assert placed["worker dp0 pp0 tp0"] == Placement((0,), threads=1, exclusive=True)
-    assert placed["api-server a0"] == Placement((1,), threads=1) == placed["engine-core dp0"]  # shared
-    assert placed["api-server a0"].describe() == "1 (shared)" and placed["worker dp0 pp0 tp0"].describe() == "0"
+    # shared; the engine core's step wins the CPU over the API server
+    assert placed["api-server a0"] == Placement((1,), threads=1, nice=5) and placed["engine-core dp0"] == Placement((1,))
+    assert placed["api-server a0"].describe() == "1 (shared, nice 5)" and placed["engine-core dp0"].describe() == "1 (shared)" and placed["worker dp0 pp0 tp0"].describe() == "0"
 
 
 def test_reserve_0_is_the_model_on_every_core_and_the_rest_unpinned():
     placed = place(processes(), Machine((0, 1)), reserve=0)
     assert placed["worker dp0 pp0 tp0"] == Placement((0, 1), threads=2, exclusive=True)
-    assert placed["api-server a0"] == Placement() == placed["engine-core dp0"]
+    assert placed["api-server a0"] == Placement() == placed["engine-core dp0"]  # nice 0 beside the workers
     assert placed["api-server a0"].describe() == "any"
 
 
@@ -111,7 +112,7 @@ def test_properties(shape, machine, reserve):
     for name, p in placed.items():
         # at least one CPU: pinned to some of the machine's, or to none (every CPU); and a thread
         assert set(p.cpus) <= set(machine.cpus) and p.threads >= 1
-        assert len(set(p.cpus)) == len(p.cpus)
+        assert len(set(p.cpus)) == len(p.cpus) and p.nice in (0, API_SERVER_NICE)
         if p.exclusive:  # no other process is given any of them
             assert p.cpus and all(not set(p.cpus) & set(q.cpus) for n, q in placed.items() if n != name)
     # the default never refuses; deterministic
