@@ -182,6 +182,18 @@ def renice_api_servers(home: str, side: str, nice: int) -> list[int]:
 
 
 def claim(servers: dict, children: Children, args) -> dict:
+    every = sorted(os.sched_getaffinity(0))
+    if args.client_cpus == "last" and len(every) > 1:
+        # the clients (this process's streams and the load process) off the model's cores, on the core the
+        # default placement and vLLM's binding keep for the rest: on a real deployment they are other hosts
+        os.sched_setaffinity(0, every[-1:])
+    try:
+        return _claim(servers, children, args)
+    finally:
+        os.sched_setaffinity(0, every)
+
+
+def _claim(servers: dict, children: Children, args) -> dict:
     loads = {"unloaded": (0, 0), "tokenize": (args.load_loops, 0),
              "mixed": (args.load_loops // 2, args.load_loops - args.load_loops // 2)}
     loads = {name: loads[name] for name in args.loads}
@@ -413,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--claim-sides", default=",".join(CLAIM_SIDES),
                         help=f"(b) sides, of {', '.join(CLAIM_SIDES)} (vLLM's only when it is installed)")
     parser.add_argument("--claim-concurrency", default="16,64", help="(b) stream counts of each side's throughput")
+    parser.add_argument("--client-cpus", choices=("last", "all"), default="last",
+                        help="(b) where its clients run: the last CPU (the one kept for the API server), or any")
     parser.add_argument("--load-warmup-s", type=float, default=1.0)
     parser.add_argument("--parts", default="a,b")
     parser.add_argument("--model", default=None, help="(a) a model directory (default: the default model)")
@@ -456,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         "hf_sequential": args.hf_sequential, "hf_threads": args.hf_threads, "rounds": args.rounds,
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
         "loads": args.loads, "prompt_words": args.prompt_words, "claim_sides": args.claim_sides,
-        "claim_concurrency": args.claim_concurrency, "model": args.model, "device": args.device}}
+        "claim_concurrency": args.claim_concurrency, "client_cpus": args.client_cpus, "model": args.model, "device": args.device}}
     model_dir = Path(args.model).resolve() if args.model else default_model_dir()
     found = vllm_cpu.detect()
     results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}

@@ -43,10 +43,11 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
         processes = plan.on_node(node)
         rows = tree_rows(processes)
         width = max(len(prefix) + len(p.name) for prefix, p in rows)
+        cpus_width = max(len(placement[p.name].describe()) for p in processes) if placement else 0
         where = f"node {node}" + (" (head)" if node == 0 else " (headless)")
         lines.append(f"supervisor (vsup serve{', ' + where if many_nodes else ''})")
         for prefix, p in rows:
-            cpus = f"  {'cpus ' + placement[p.name].describe():<16}" if placement else ""
+            cpus = f"  cpus {placement[p.name].describe():<{cpus_width}}" if placement else ""
             lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}{cpus}  {p.title}")
         if many_nodes:
             share = Plan(plan.config, tuple(processes))
