@@ -2,8 +2,9 @@
 
 The seed splits tokenization from the step loop so that load on the API server cannot slow decoding.
 On a CPU host that only holds when they do not fight over cores: as vLLM's CPU build does, `place`
-keeps `reserve` cores for the API servers and engine cores (and the coordinator) apart from the workers' cores. With reserve 0 the workers get every core and the rest float
-over them (vsup's behaviour before --cpu-reserve). On a GPU host the workers' work is on the GPU:
+keeps `reserve` cores for the API servers, engine cores and the coordinator, apart from the workers'
+cores. With reserve 0 the workers get every core and the rest float over them (vsup's behaviour
+before --cpu-reserve). On a GPU host the workers' work is on the GPU:
 each process gets a core of its own where there are enough, the nearest to its GPU.
 
 `vsup plan` prints what `place` returns, `vsup serve` applies it (each process sets it on itself at
@@ -83,7 +84,8 @@ def check_reserve(reserve: int, cpus: int, workers: int) -> None:
 
 
 def place(processes: Sequence[ProcessSpec], machine: Machine, reserve: int | None = None) -> dict[str, Placement]:
-    """Each process's placement by name; `reserve` None = the default. Deterministic: the same plan and machine give the same placement."""
+    """Each process's placement by name; `reserve` None = the default. Deterministic: the same
+    processes and machine give the same placement."""
     reserve = default_reserve(processes, machine) if reserve is None else reserve
     check_reserve(reserve, len(machine.cpus), len(cpu_workers(processes)))
     workers = cpu_workers(processes)

@@ -113,7 +113,7 @@ def serve(
         args = engine_args(ours, multiprocessing=parallel.multiprocessing, dp_lockstep=dp_lockstep)
         the_plan = make_plan(parallel, python=sys.executable, engine_args=args, run_dir=str(run_dir.path),
                              deployment=name)
-        run.placement = placement_of(Plan(parallel, tuple(the_plan.on_node(the_plan.nodes()[0]))), cpu_reserve)
+        run.placement = placement_of(the_plan, cpu_reserve)
         if parallel.headless:
             run.url = f"the head node at {parallel.dp_address or parallel.master}"
         secrets = {"VSUP_API_KEY": api_key, "VSUP_CLUSTER_SECRET": cluster_secret}  # the environment, never argv
