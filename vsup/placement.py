@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from vsup.errors import UsageError
 from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, ProcessSpec
 
-
 # An API server that shares its CPUs with an engine core runs at this nice value: the core's step wins
 # the CPU when both want it, and the API server still streams at once when the core sleeps (which it
 # does for most of each step). Not where it shares with the workers (--cpu-reserve 0): their threads
@@ -99,7 +98,7 @@ def _cpu_host(workers: list[ProcessSpec], others: list[ProcessSpec], machine: Ma
               reserve: int) -> dict[str, Placement]:
     cores = sorted(machine.cpus)
     kept, model = (cores[len(cores) - reserve:], cores[:len(cores) - reserve]) if reserve else ([], cores)
-    shares = split(model, len(workers))
+    shares = numa_split(model, len(workers), machine.numa) or split(model, len(workers))
     placed = {}
     for worker, share in zip(workers, shares):
         threads = len(share) or max(1, len(cores) // len(workers))  # unpinned: today's share of the threads
@@ -145,6 +144,21 @@ def _numa_of(device: str, machine: Machine) -> int:
     """The NUMA node of a `cuda:N` device (0 where unknown)."""
     index = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     return machine.gpu_numa[index] if index < len(machine.gpu_numa) else 0
+
+
+def numa_split(cores: list[int], n: int, numa: tuple[tuple[int, ...], ...]) -> list[list[int]] | None:
+    """`cores` for n workers without a share across two NUMA nodes: the workers in contiguous blocks
+    over the nodes (a TP group stays on one node where it fits), each node's cores split among its
+    own; None with one node, or where a node has fewer cores than workers."""
+    nodes = [[c for c in cores if c in node] for node in numa]
+    nodes = [node for node in nodes if node]
+    if len(nodes) < 2 or n < len(nodes):
+        return None
+    counts = [sum(1 for i in range(n) if i * len(nodes) // n == k) for k in range(len(nodes))]
+    if any(len(node) < count for node, count in zip(nodes, counts)):
+        return None
+    size = min(len(node) // count for node, count in zip(nodes, counts))  # every worker as many cores
+    return [share for node, count in zip(nodes, counts) for share in split(node[:size * count], count)]
 
 
 def split(cores: list[int], n: int) -> list[list[int]]:

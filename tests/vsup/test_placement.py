@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsup.errors import UsageError
-from vsup.placement import API_SERVER_NICE, Machine, Placement, cpu_list, default_reserve, place, split
+from vsup.placement import API_SERVER_NICE, Machine, Placement, cpu_list, default_reserve, numa_split, place, split
 from vsup.topology import ParallelConfig, plan
 
 
@@ -17,8 +17,10 @@ def test_a_two_core_host_keeps_one_core_for_the_api_server_and_the_engine_core()
     placed = place(processes(), Machine((0, 1)))
     assert placed["worker dp0 pp0 tp0"] == Placement((0,), threads=1, exclusive=True)
     # shared; the engine core's step wins the CPU over the API server
-    assert placed["api-server a0"] == Placement((1,), threads=1, nice=5) and placed["engine-core dp0"] == Placement((1,))
-    assert placed["api-server a0"].describe() == "1 (shared, nice 5)" and placed["engine-core dp0"].describe() == "1 (shared)" and placed["worker dp0 pp0 tp0"].describe() == "0"
+    assert placed["api-server a0"] == Placement((1,), threads=1, nice=5)
+    assert placed["engine-core dp0"] == Placement((1,))
+    assert [placed[n].describe() for n in ("api-server a0", "engine-core dp0", "worker dp0 pp0 tp0")] == [
+        "1 (shared, nice 5)", "1 (shared)", "0"]
 
 
 def test_reserve_0_is_the_model_on_every_core_and_the_rest_unpinned():
@@ -73,6 +75,16 @@ def test_on_a_gpu_host_each_process_near_its_gpu():
     assert place(processes("cuda", data_parallel_size=2), Machine((0, 1)))["worker dp0 pp0 tp0"] == Placement()
 
 
+def test_on_two_numa_nodes_no_worker_straddles_them():
+    # 2 x 8 CPUs, TP 4: two workers on each node; a core of node 1 kept for the API server and engine core
+    machine = Machine(tuple(range(16)), numa=(tuple(range(8)), tuple(range(8, 16))))
+    placed = place(processes(tensor_parallel_size=4), machine)
+    assert [placed[f"worker dp0 pp0 tp{t}"].cpus for t in range(4)] == [(0, 1, 2), (3, 4, 5), (8, 9, 10),
+                                                                       (11, 12, 13)]
+    assert placed["api-server a0"].cpus == (14,) and placed["engine-core dp0"].cpus == (15,)
+    # (a flat split of 0-13 in threes gives tp2 6-8: across the nodes)
+
+
 def test_helpers():
     assert cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11" and cpu_list([5]) == "5"
     assert split([0, 1], 2) == [[0], [1]]
@@ -118,3 +130,14 @@ def test_properties(shape, machine, reserve):
     # the default never refuses; deterministic
     assert place(procs, machine, reserve) == placed
     assert place(procs, machine) == place(procs, machine)
+
+
+@settings(max_examples=300, deadline=None)
+@given(machine=machines(), n=st.integers(1, 12))
+def test_a_numa_split_keeps_each_share_on_one_node_and_equal(machine, n):
+    shares = numa_split(list(machine.cpus), n, machine.numa)
+    if shares is None:
+        return
+    assert len(shares) == n and len({len(s) for s in shares}) == 1 and shares[0]
+    assert all(any(set(s) <= set(node) for node in machine.numa) for s in shares)
+    assert len({c for s in shares for c in s}) == sum(map(len, shares))  # no CPU twice
