@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 
 from vsup.errors import UsageError
-from vsup.placement import Machine
 
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"
+NVIDIA_CTL = "/dev/nvidiactl"  # there wherever an NVIDIA driver can be used, containers included
 
 
 def visible_gpu_count() -> int:
@@ -34,6 +34,8 @@ class Gpu:
 
 def nvml_gpus() -> list[Gpu]:
     """Every GPU of this node from NVML (nvidia-ml-py, imported only here); [] without a driver."""
+    if not os.path.exists(NVIDIA_CTL):  # a CPU host: no import, no library search (vsup plan's start)
+        return []
     try:
         import pynvml
     except ImportError:
@@ -121,8 +123,11 @@ def _pci_numa_node(bus_id: str) -> int:
         return 0
 
 
-def this_machine(device: str) -> Machine:
-    """The CPUs this process may use, this node's NUMA nodes, and (on CUDA) where its visible GPUs sit."""
+def this_machine(device: str):
+    """The CPUs this process may use, this node's NUMA nodes, and (on CUDA) where its visible GPUs sit:
+    a vsup.placement.Machine."""
+    from vsup.placement import Machine
+
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     numa = []
     for n in range(256):
