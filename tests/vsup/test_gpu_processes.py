@@ -29,3 +29,11 @@ def test_cuda_stops_at_the_first_entry_it_cannot_use():
 def test_without_a_driver_nothing_is_held_and_nothing_fails():
     # this machine has no NVIDIA driver: NVML's library is not found, and ps shows no GPU column
     assert gpu_processes() == [] and gpu_memory_bytes() is None
+
+
+def test_where_the_driver_seems_there_but_nvml_is_not_nothing_fails(monkeypatch):
+    # a device node without the NVML library behind it (a half-mounted container): NVML's init fails, [] again
+    from vsup import devices
+
+    monkeypatch.setattr(devices, "NVIDIA_CTL", "/dev/null")
+    assert devices.nvml_gpus() == [] and devices.gpu_processes() == []
