@@ -109,7 +109,7 @@ def log_throughput(lines: int) -> dict:
         direct = time.monotonic() - start
 
         writer = JsonlWriter(Path(tmp) / "vsup.jsonl")
-        router = LogRouter([writer.write])
+        router = LogRouter([writer.write], flushes=[writer.flush])
         router.start()
         start = time.monotonic()
         out_r, out_w = os.pipe()
@@ -122,8 +122,9 @@ def log_throughput(lines: int) -> dict:
         routed = time.monotonic() - start
         writer.close()
         # past 16 MiB vsup.jsonl rotates into vsup.jsonl.1 ... (the full run's 200,000 lines fill three)
-        written = sum(1 for path in Path(tmp).glob("vsup.jsonl*") for _ in open(path))
-    assert written == lines, f"{written} of {lines} lines reached vsup.jsonl"
+        files = sorted(Path(tmp).glob("vsup.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
+        events = [json.loads(line)["event"] for path in files for line in open(path)]
+    assert events == [f"line {i}" for i in range(lines)], f"{len(events)} of {lines} lines reached vsup.jsonl, or out of order"
     return {"lines": lines, "direct_lines_per_s": lines / direct, "routed_lines_per_s": lines / routed,
             "routed_over_direct": direct / routed}
 

@@ -159,7 +159,7 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
     console = Console(sys.stdout, log_format)
     console.width = max(len(p.name) for p in the_plan.processes)
     writer = JsonlWriter(run_dir.log_file)
-    router = LogRouter([writer.write, console.write])
+    router = LogRouter([writer.write, console.write], flushes=[writer.flush])
     if vllm is None:
         supervisor = Supervisor(the_plan, run_dir, run, router)
     else:

@@ -25,27 +25,39 @@ def is_load_report(record: dict) -> bool:
     return record.get("event") == "load" and record.get("logger") == LOAD_LOGGER and record.get("stream") == "stdout"
 
 
-def tag_line(line: str, stream: str, tag: dict) -> dict:
-    """One record of vsup.jsonl: ts, level, name, role, ranks, pid, stream, event, and the child's extras."""
-    record = {"ts": None, "level": None, **tag, "stream": stream, "event": None}
+def tag_line(line: str, stream: str, tag: dict, ts: str | None = None) -> dict:
+    """One record of vsup.jsonl: ts, level, name, role, ranks, pid, stream, event, and the child's extras.
+    `ts`: when the line arrived (now, if not given), for a line that does not say when it was written."""
     parsed = None
     if line.startswith("{"):
         try:
-            parsed = json.loads(line)
-        except ValueError:
+            parsed = _json_decoder().decode(line)
+        except ValueError:  # (msgspec's DecodeError is one)
             parsed = None
-    if isinstance(parsed, dict) and "event" in parsed:
-        record["ts"] = parsed.pop("timestamp", None)
-        record["level"] = str(parsed.pop("level", "info")).lower()
-        record["event"] = str(parsed.pop("event"))
-        for key, value in parsed.items():
-            if key not in TAG_FIELDS and key not in record:
-                record[key] = value
-    else:
-        record["level"] = "error" if stream == "stderr" else "info"
-        record["event"] = line
-    record["ts"] = record["ts"] or now_iso()
+    if not (isinstance(parsed, dict) and "event" in parsed):
+        return {"ts": ts or now_iso(), "level": "error" if stream == "stderr" else "info", **tag, "stream": stream,
+                "event": line}
+    record = {"ts": parsed.pop("timestamp", None) or ts or now_iso(), "level": str(parsed.pop("level", "info")).lower(),
+              **tag, "stream": stream, "event": str(parsed.pop("event"))}
+    for key, value in parsed.items():
+        if key not in _TAGGED and key not in record:
+            record[key] = value
     return record
+
+
+_TAGGED = frozenset(TAG_FIELDS)
+_decoder = None
+
+
+def _json_decoder():
+    """msgspec's JSON decoder (6x json.loads here), imported on the supervisor's first line, not by
+    `vsup logs`, which renders only."""
+    global _decoder
+    if _decoder is None:
+        import msgspec
+
+        _decoder = msgspec.json.Decoder()
+    return _decoder
 
 
 def supervisor_record(event: str, level: str = "info", **fields) -> dict:

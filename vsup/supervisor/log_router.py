@@ -16,7 +16,9 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vsup.supervisor.log_format import is_load_report, render, supervisor_record, tag_line
+import msgspec
+
+from vsup.supervisor.log_format import is_load_report, now_iso, render, supervisor_record, tag_line
 
 LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
 ROTATE_BYTES = 16 << 20
@@ -24,29 +26,44 @@ KEEP_FILES = 5
 
 
 class JsonlWriter:
-    """Append records to vsup.jsonl; past ROTATE_BYTES, shift to vsup.jsonl.1 ... .KEEP_FILES."""
+    """Append records to vsup.jsonl; past ROTATE_BYTES, shift to vsup.jsonl.1 ... .KEEP_FILES.
+
+    Records collect in memory until `flush()` (the router flushes after each read of a pipe, and after
+    each record of the supervisor's own), so a burst of lines costs one write, not one a line."""
 
     def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES, keep: int = KEEP_FILES):
         self.path, self.rotate_bytes, self.keep = path, rotate_bytes, keep
-        self.file = self._open()
+        self.encode = msgspec.json.Encoder(enc_hook=str).encode  # anything else JSON cannot hold, as text
+        self.pending: list[bytes] = []
+        self.fd = self._open()
+        self.size = os.fstat(self.fd).st_size
 
-    def _open(self):
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        return os.fdopen(fd, "a", buffering=1)
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, default=str) + "\n")
-        if self.file.tell() >= self.rotate_bytes:
-            self.file.close()
+        line = self.encode(record) + b"\n"
+        self.pending.append(line)
+        self.size += len(line)
+        if self.size >= self.rotate_bytes:
+            self.flush()
+            os.close(self.fd)
             for i in range(self.keep - 1, 0, -1):
                 older = self.path.with_name(f"{self.path.name}.{i}")
                 if older.exists():
                     older.rename(self.path.with_name(f"{self.path.name}.{i + 1}"))
             self.path.rename(self.path.with_name(f"{self.path.name}.1"))
-            self.file = self._open()
+            self.fd, self.size = self._open(), 0
+
+    def flush(self) -> None:
+        data = memoryview(b"".join(self.pending))
+        self.pending.clear()
+        while data:
+            data = data[os.write(self.fd, data):]
 
     def close(self) -> None:
-        self.file.close()
+        self.flush()
+        os.close(self.fd)
 
 
 class Console:
@@ -95,9 +112,10 @@ class Console:
 class LogRouter(threading.Thread):
     """Pumps lines from child pipes to the sinks until stopped."""
 
-    def __init__(self, sinks: list[Callable[[dict], None]]):
+    def __init__(self, sinks: list[Callable[[dict], None]], flushes: list[Callable[[], None]] = ()):
+        """`sinks` take each record; `flushes` are called after each batch of them (JsonlWriter.flush)."""
         super().__init__(name="log-router", daemon=True)
-        self.sinks = sinks
+        self.sinks, self.flushes = sinks, list(flushes)
         self.lock = threading.Lock()  # the main thread emits its own records too
         self.selector = selectors.DefaultSelector()
         self.pending: deque = deque()
@@ -109,9 +127,16 @@ class LogRouter(threading.Thread):
         self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
     def emit(self, record: dict) -> None:
+        self.emit_all([record])
+
+    def emit_all(self, records: list[dict]) -> None:
+        """Each record to every sink, then flush: one batch, one lock."""
         with self.lock:
-            for sink in self.sinks:
-                sink(record)
+            for record in records:
+                for sink in self.sinks:
+                    sink(record)
+            for f in self.flushes:
+                f()
 
     def add(self, pipe: int, stream: str, tag: dict) -> None:
         """Read `pipe` (a child's stdout or stderr) from now on, tagging lines with `tag`."""
@@ -165,11 +190,17 @@ class LogRouter(threading.Thread):
                     os.close(pipe)
                     self.open_pipes -= 1
                 buffers[pipe] = bytearray(rest)
+                arrived = now_iso()  # the time of every line of this read that does not say its own
+                records = []
                 for raw in lines:
                     if stream == HELLO:  # a hook connection's first line says whose it is
                         stream, tag = self._hello(raw, pipe, chunk)
                         continue
-                    self._line(raw.decode(errors="replace").rstrip("\r"), stream, tag)
+                    record = self._record(raw.decode(errors="replace").rstrip("\r"), stream, tag, arrived)
+                    if record is not None:
+                        records.append(record)
+                if records:
+                    self.emit_all(records)
             if self.stopping and not self.selector.select(timeout=0):
                 break
 
@@ -201,17 +232,20 @@ class LogRouter(threading.Thread):
             self.selector.modify(fd, selectors.EVENT_READ, (stream, tag))
         return stream, tag
 
-    def _line(self, line: str, stream: str, tag: dict) -> None:
-        if not line.strip() or stream == DROP:
-            return
-        record = self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag else tag_line(line, stream, tag)
+    def _record(self, line: str, stream: str, tag: dict, arrived: str | None = None) -> dict | None:
+        """The record of one line for the sinks; None for a blank line, a dropped connection's, or a load
+        report (handed to `on_load`)."""
+        if not line or line.isspace() or stream == DROP:
+            return None
+        record = (self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag
+                  else tag_line(line, stream, tag, arrived))
         if self.on_load is not None and is_load_report(record):
             self.on_load(record)
-            return
+            return None
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON
             said = record.get("error") or record.get("exception")
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(
                 f"{record.get('event')}: {said}" if said else str(record.get("event")))
-        self.emit(record)
+        return record
