@@ -122,8 +122,8 @@ def log_throughput(lines: int) -> dict:
         routed = time.monotonic() - start
         writer.close()
         # past 16 MiB vsup.jsonl rotates into vsup.jsonl.1 ... (the full run's 200,000 lines fill three)
-        oldest_first = sorted(Path(tmp).glob("vsup.jsonl*"), key=lambda p: -int(p.suffix[1:] or 0)
-                              if p.suffix[1:].isdigit() else 0)
+        oldest_first = sorted(Path(tmp).glob("vsup.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit()
+                              else 0)
         events = [json.loads(line)["event"] for path in oldest_first for line in open(path)]
     assert events == [f"line {i}" for i in range(lines)], \
         f"{len(events)} of {lines} lines reached vsup.jsonl, or not in the order written"
