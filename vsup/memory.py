@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vsup.errors import UsageError
-from vsup.model_shape import DTYPE_BYTES, ModelShape
+
+if TYPE_CHECKING:  # (format_bytes, which `vsup ps` uses, needs no model: model_shape reads engine's config)
+    from vsup.model_shape import ModelShape
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2**30  # like vLLM's CPU KV cache space: a fixed size, not a fraction of RAM
 
@@ -53,6 +56,8 @@ def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
     """`auto` is the model's own dtype on CUDA and float32 on the CPU."""
     if dtype == "auto":
         return shape.dtype if device == "cuda" else "float32"
+    from vsup.model_shape import DTYPE_BYTES
+
     if dtype not in DTYPE_BYTES:
         raise UsageError(f"--dtype must be auto, {', '.join(DTYPE_BYTES)} (got {dtype!r})")
     return dtype
@@ -125,6 +130,8 @@ def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
     if not 0 < gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
     dtype = resolve_dtype(dtype, shape, device)
+    from vsup.model_shape import DTYPE_BYTES
+
     nbytes = DTYPE_BYTES[dtype]
     usable = None if device_bytes is None else int(device_bytes * (gpu_memory_utilization if device == "cuda" else 1))
     stages = []

@@ -53,7 +53,7 @@ def snapshot(run_dir, replica: int | None = None) -> dict:
     """The live state from the supervisor, else the last one it wrote, with orphans marked; other
     nodes' processes (a head node's view) with their state as the API server sees it. With `replica`,
     only that vLLM replica's processes."""
-    from vsup.supervisor.control import request
+    from vsup.supervisor.control_client import request
 
     try:
         state = request(str(run_dir.control_socket), {"cmd": "ps"})

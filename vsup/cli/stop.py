@@ -16,7 +16,7 @@ def stop(name: options.Name = "default", timeout: options.StopWait = 120.0) -> N
     """Stop gracefully: drain in-flight requests, then API servers, coordinator, engine cores, workers."""
     from vsup.cli import crash
     from vsup.rundir import RunDir
-    from vsup.supervisor.control import request
+    from vsup.supervisor.control_client import request
 
     run_dir = RunDir(name).require()
     crash.remember(run_dir)
@@ -60,7 +60,7 @@ def restart(role: options.Role = None, dp: options.DpRank = None, replica: optio
     """
     from vsup.cli import crash
     from vsup.rundir import RunDir
-    from vsup.supervisor.control import request
+    from vsup.supervisor.control_client import request
     from vsup.topology import COUNTED
 
     if rolling and role is not None:

@@ -150,12 +150,3 @@ def listen_unix(path: str, backlog: int = 16) -> socket.socket:
         os.umask(old)
     sock.listen(backlog)
     return sock
-
-
-def request(path: str, payload: dict, timeout: float = 5.0) -> dict:
-    """Ask the supervisor; raises OSError when none listens there."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall((json.dumps(payload) + "\n").encode())
-        return json.loads(sock.makefile().readline())
