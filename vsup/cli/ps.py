@@ -18,8 +18,8 @@ def ps(name: options.Name = "default", replica: options.ReplicaIndex = None, as_
        watch: options.Watch = False, interval: options.Interval = 2.0, flat: options.Flat = False) -> None:
     """Show the live process tree, as `vsup plan` draws it: each process's pid, state, uptime, restarts,
     last exit, CPU%, the CPUs it may run on (CPUS), RSS, device, device memory and what it is busy with
-    (LOAD), then a one-line diagnosis when something stands out (an API server that is the bottleneck, a full KV cache, an
-    idle DP rank).
+    (LOAD), then a one-line diagnosis when something stands out (an API server that is the bottleneck,
+    a full KV cache, an idle DP rank).
 
     LOAD: an API server's event-loop busy share and time spent tokenizing; an engine core's share of
     time in steps, running and waiting requests and KV cache use; a worker's share of time in forward
@@ -162,7 +162,8 @@ def _live(p: dict, live: bool, now: float) -> tuple[str, ...]:
             _duration(now - p["started_at"]) if alive and p.get("started_at") else "-",
             str(p.get("restarts", 0)), p.get("last_exit") or "-",
             f"{p['cpu_percent']:.0f}" if p.get("cpu_percent") is not None else "-",
-            cpu_list(p["cpus"]) if p.get("cpus") else "-", format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-")
+            cpu_list(p["cpus"]) if p.get("cpus") else "-",
+            format_bytes(p["rss_bytes"]) if p.get("rss_bytes") else "-", p.get("device") or "-")
 
 
 def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
