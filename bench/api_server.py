@@ -214,7 +214,8 @@ def _claim(servers: dict, children: Children, args) -> dict:
                 try:
                     if proc:
                         time.sleep(args.load_warmup_s)  # the first long texts are in flight
-                    prompts = [f"r{r} {side} {load} {i}: Once upon a time, in a city" for i in range(args.decode_streams)]
+                    prompts = [f"r{r} {side} {load} {i}: Once upon a time, in a city"
+                               for i in range(args.decode_streams)]
                     run = asyncio.run(run_streams(server.url, server.model, prompts, args.decode_tokens))
                 finally:
                     got = stop_load(proc) if proc else None
@@ -470,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         "hf_sequential": args.hf_sequential, "hf_threads": args.hf_threads, "rounds": args.rounds,
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
         "loads": args.loads, "prompt_words": args.prompt_words, "claim_sides": args.claim_sides,
-        "claim_concurrency": args.claim_concurrency, "client_cpus": args.client_cpus, "model": args.model, "device": args.device}}
+        "claim_concurrency": args.claim_concurrency, "client_cpus": args.client_cpus, "model": args.model,
+        "device": args.device}}
     model_dir = Path(args.model).resolve() if args.model else default_model_dir()
     found = vllm_cpu.detect()
     results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}
