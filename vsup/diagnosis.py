@@ -13,7 +13,6 @@ GAUGES = ("num_requests", "num_running", "num_waiting", "kv_cache_usage", "weigh
 
 BUSY_API_SERVER = 0.8   # an API server this busy cannot take more
 IDLE_STEPS = 0.5        # while the engine cores step less than this share of the time
-KV_FULL = 0.95
 IDLE_RANK_WAITING = 8   # a rank with nothing to do while another has this many waiting
 
 
@@ -90,14 +89,16 @@ def api_server_bottleneck(servers: list[dict], cores: list[dict]) -> list[str]:
 
 
 def kv_cache_full(cores: list[dict]) -> list[str]:
+    """Requests waiting while steps wait for KV blocks (a waiting request that did not fit, or a
+    preemption): the cache, not the batch limits, holds them back."""
     out = []
     for core in cores:
         load = core["load"]
-        waiting = load.get("num_waiting", 0)
-        if load.get("kv_cache_usage", 0.0) >= KV_FULL and waiting > 0:
+        waiting, stalls = load.get("num_waiting", 0), load["rates"].get("kv_stalls", 0.0)
+        if waiting > 0 and stalls > 0:
             where = f" on {core['name']}" if len(cores) > 1 else ""
-            out.append(f"KV cache full{where} ({pct(load['kv_cache_usage'])}), {waiting} requests waiting: "
-                       f"raise --kv-cache-memory")
+            out.append(f"KV cache full{where} ({pct(load.get('kv_cache_usage', 0.0))}, {stalls:.1f} steps/s wait "
+                       f"for blocks), {waiting} requests waiting: raise --kv-cache-memory")
     return out
 
 

@@ -84,6 +84,7 @@ class EngineCoreProc:
         self.meter = LoadMeter()
         self.said_drained = False
         self.gauges_at = 0.0
+        self.kv_stalls_counted = 0
         self.last_counters: tuple[int, int, int] | None = None
         self.last_load_at = 0.0
         self.last_load: tuple[int, int] | None = None
@@ -206,12 +207,16 @@ class EngineCoreProc:
             self.said_drained = True
 
     def measure(self) -> None:
-        """The gauges `vsup ps` shows (engine/load.py), at most every GAUGES_S."""
+        """The gauges `vsup ps` shows (engine/load.py), at most every GAUGES_S, and the steps that
+        waited for KV blocks (a rate: a snapshot of the usage alone misses a cache that churns)."""
         now = time.monotonic()
         if now - self.gauges_at >= GAUGES_S:
             stats = self.core.stats()
             self.meter.set(num_running=stats.num_running, num_waiting=stats.num_waiting,
                            kv_cache_usage=round(stats.kv_cache_usage, 4))
+            stalls = self.core.scheduler.num_kv_stalls
+            self.meter.count("kv_stalls", stalls - self.kv_stalls_counted)
+            self.kv_stalls_counted = stalls
             self.gauges_at = now
 
     def report_load(self, force: bool = False) -> None:

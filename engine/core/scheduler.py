@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []         # in admission order: the newest is preempted first
         self.num_preemptions = 0                 # by KV pressure; preempt_all() does not count
+        self.num_kv_stalls = 0                   # steps that preempted or left a request waiting for blocks
         self.admitting = True                    # False while draining: running requests finish, none starts
         self._step_id = 0
         self._inflight_step_ids: set[int] = set()  # several with pipeline parallelism
@@ -96,6 +97,7 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         cached_requests: list[CachedRequest] = []
         num_preemptions_before = self.num_preemptions
+        waited_for_blocks = False
 
         # running: decodes and unfinished prefill chunks
         i = 0
@@ -122,6 +124,7 @@ class Scheduler:
             request = self.waiting[0]
             num_new = min(request.num_tokens - bm.num_cached_tokens(request), budget)
             if not bm.can_allocate(request, num_new):
+                waited_for_blocks = True
                 break
             self.waiting.popleft()
             block_ids = bm.allocate(request, num_new)
@@ -134,6 +137,8 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             budget -= num_new
 
+        if waited_for_blocks or self.num_preemptions > num_preemptions_before:
+            self.num_kv_stalls += 1
         self._step_id += 1
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new

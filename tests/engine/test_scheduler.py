@@ -402,6 +402,29 @@ def test_the_newest_request_is_preempted_and_resent_with_its_outputs():
     assert resent.num_computed_tokens == 2  # its first block is old's, cached: only its output recomputes
 
 
+def test_a_step_counts_as_a_kv_stall_when_a_request_waits_for_blocks_or_one_is_preempted():
+    sched = make(num_blocks=4, block_size=2, max_model_len=20)
+    worker = FakeWorker(4, 2)
+    sched.add(Request("a", [1, 2, 3, 4], greedy(max_tokens=5, ignore_eos=True)))
+    step(sched, worker)  # "a" holds 2 of the 4 blocks
+    assert sched.num_kv_stalls == 0
+    sched.add(Request("b", [5, 6, 7, 8, 9], greedy(max_tokens=1, ignore_eos=True)))
+    step(sched, worker)  # "a" grows to 3 blocks; "b" needs 3, 1 is free: it waits for blocks
+    assert [r.req_id for r in sched.waiting] == ["b"] and sched.num_kv_stalls == 1
+    limited = make(num_blocks=30, block_size=2, max_model_len=20, max_num_seqs=1)
+    for rid in ("a", "b"):
+        limited.add(Request(rid, [1, 2], greedy(max_tokens=5, ignore_eos=True)))
+    step(limited, FakeWorker(30, 2))  # "b" waits for a seat (--max-num-seqs), not for blocks
+    assert [r.req_id for r in limited.waiting] == ["b"] and limited.num_kv_stalls == 0
+    tight = make(num_blocks=3, block_size=2, max_model_len=20)
+    tight_worker = FakeWorker(3, 2)
+    for rid in ("old", "new"):
+        tight.add(Request(rid, [1, 2], greedy(max_tokens=5, ignore_eos=True)))
+    step(tight, tight_worker)
+    step(tight, tight_worker)  # a preemption
+    assert tight.stats().num_preemptions == 1 and tight.num_kv_stalls == 1
+
+
 def test_preempt_all_requeues_everything_and_ignores_the_lost_step():
     sched = make(num_blocks=16, max_num_seqs=2)
     worker = FakeWorker(16, 4)

@@ -8,10 +8,10 @@ def api(name, loop, tokenize, requests=16):
             "load": {"busy": {"loop": loop, "tokenize": tokenize}, "rates": {}, "num_requests": requests}}
 
 
-def core(dp, steps, running=0, waiting=0, kv=0.1):
+def core(dp, steps, running=0, waiting=0, kv=0.1, kv_stalls=0.0):
     return {"name": f"engine-core dp{dp}", "role": "engine-core", "dp": dp,
-            "load": {"busy": {"step": steps}, "rates": {}, "num_running": running, "num_waiting": waiting,
-                     "kv_cache_usage": kv}}
+            "load": {"busy": {"step": steps}, "rates": {"kv_stalls": kv_stalls}, "num_running": running,
+                     "num_waiting": waiting, "kv_cache_usage": kv}}
 
 
 def test_an_api_server_busy_tokenising_while_the_core_waits_is_the_bottleneck():
@@ -32,12 +32,15 @@ def test_no_bottleneck_while_the_core_steps_or_the_api_server_has_room():
     assert diagnose([api("api-server a0", 0.99, 0.97), core(0, 0.1), core(1, 0.7)]) == []
 
 
-def test_a_full_kv_cache_with_requests_waiting_says_raise_kv_cache_memory():
-    assert diagnose([core(0, 0.9, running=2, waiting=14, kv=0.98)]) == [
-        "KV cache full (98%), 14 requests waiting: raise --kv-cache-memory"]
-    assert diagnose([core(0, 0.9, running=2, waiting=0, kv=0.99)]) == []  # full, but nobody waits
-    assert diagnose([core(0, 0.9, running=20, waiting=20, kv=0.99), core(1, 0.9, running=20, waiting=20, kv=0.5)])[0] \
-        .startswith("KV cache full on engine-core dp0 (99%), 20 requests waiting")
+def test_requests_waiting_for_kv_blocks_say_raise_kv_cache_memory():
+    assert diagnose([core(0, 0.9, running=2, waiting=14, kv=0.89, kv_stalls=12.5)]) == [
+        "KV cache full (89%, 12.5 steps/s wait for blocks), 14 requests waiting: raise --kv-cache-memory"]
+    assert diagnose([core(0, 0.9, running=2, waiting=0, kv=0.99, kv_stalls=3)]) == []  # full, but nobody waits
+    # waiting with room in the cache: held back by the batch limits (--max-num-seqs), not by the cache
+    assert diagnose([core(0, 0.9, running=2, waiting=14, kv=0.99)]) == []
+    assert diagnose([core(0, 0.9, running=20, waiting=20, kv=0.99, kv_stalls=9),
+                     core(1, 0.9, running=20, waiting=20, kv=0.5)])[0] \
+        .startswith("KV cache full on engine-core dp0 (99%, 9.0 steps/s wait for blocks), 20 requests waiting")
 
 
 def test_an_idle_rank_beside_a_queue_is_named():
