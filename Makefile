@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
-PYTEST_ARGS ?= --durations=15
+# two workers: one runs the stock-vLLM modules (mostly vLLM starting, one core busy), the other the rest
+PYTEST_ARGS ?= --durations=15 -n 2
 
 .PHONY: install serve test vllm bench bench-quick bench-smoke gpu-wheels clean
 

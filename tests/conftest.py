@@ -31,6 +31,8 @@ def pytest_configure(config):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the cores: one torch thread each
+        torch.set_num_threads(1)
 
 
 class Snapshot:
@@ -89,6 +91,43 @@ def check_clean(before: Snapshot, scope: str) -> None:
             pass
     assert not left, f"{scope} left processes behind: {described}"
     assert not shm, f"{scope} left /dev/shm entries behind: {shm}"
+
+
+# `make test` runs two xdist workers. Each module runs whole on one of them (its module-scoped deployment
+# starts once), the longest first: a stock vLLM's (most of their time is vLLM starting, on one core), the
+# multi-node ones, the benches, the other end-to-end modules, then the rest in collection order.
+LONGEST_FIRST = ("tests/e2e/test_vllm", "tests/e2e/test_multinode", "tests/bench/", "tests/e2e/")
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        module = module_of(item.nodeid)
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if module.startswith(prefix)), len(LONGEST_FIRST))
+    items.sort(key=rank)  # stable: every module keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler with a module as the unit of work, handed out in the order above."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return module_of(nodeid)
+
+        def _reschedule(self, node) -> None:
+            """The next module only once this node runs its last test (xdist's own sends it two tests
+            before: a long module then waits behind a long test while the other node has nothing)."""
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    config.option.loadscopereorder = False
+    return ByModule(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -215,19 +254,26 @@ def hf_logits():
 def hf_greedy():
     """hf_greedy(model_dir, prompts: dict[id, (token_ids, n)]) -> {id: the n argmax tokens transformers picks}.
 
-    Plain argmax of transformers' logits, token by token: unlike `generate`
-    with min_new_tokens, it does not hold back EOS, as ignore_eos does not.
+    Plain argmax of transformers' logits, token by token with its KV cache: unlike `generate` with
+    min_new_tokens, it does not hold back EOS, as ignore_eos does not.
     """
+    import inspect
+
     from transformers import AutoModelForCausalLM
 
     def run(model_dir: Path, prompts: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # the cache's argument and field: `past_key_values` until transformers 5 renamed it `cache`
+        cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = {}
         with torch.no_grad():
             for key, (prompt, n) in prompts.items():
-                ids = list(prompt)
-                for _ in range(n):  # a full forward per token: slow, but no cache API to depend on
-                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+                ids, step, past = list(prompt), list(prompt), None
+                for _ in range(n):
+                    result = model(torch.tensor([step]), use_cache=True, **{cache: past})
+                    past = getattr(result, cache)
+                    ids.append(int(result.logits[0, -1].argmax()))
+                    step = ids[-1:]
                 out[key] = ids[len(prompt):]
         return out
 

@@ -41,6 +41,24 @@ def tree_pids(state) -> dict[str, int]:
     return {p["name"]: p["pid"] for p in state["processes"] if p["pid"]}
 
 
+NATIVE = "native fd-2 write of the test hook"
+POISON = (4040, 4041, 4042, 4043)  # token IDs no test prompt holds in a row: the engine core dies on them
+
+
+def serve_default_model(home):
+    """The default model (SmolLM2-135M-Instruct, converted for both engines) under a stock vLLM, served as
+    "tiny" like every e2e deployment, with the test hooks: a native fd-2 line from the Worker, and an
+    engine core that dies on POISON. Quick to notice a death or a hang, and never out of restarts."""
+    from engine.model.default_model import default_model_dir
+
+    s = serve_vllm(home, str(default_model_dir()), "--health-timeout", "10", "--hang-timeout", "8",
+                   "--max-resumes", "1", "--max-restarts", "20",
+                   env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker|{NATIVE}",
+                        "VSUP_HOOK_TEST_POISON": ",".join(map(str, POISON))})
+    s.wait_serving(timeout=300)
+    return s
+
+
 STOP = "@@@@@@@@"  # never said: while it might be, vLLM holds back the text of the last tokens (7 characters)
 
 

@@ -5,7 +5,7 @@ The stand-in speaks vLLM's streaming protocol with `return_token_ids`, and its "
 deterministic: the next token depends only on the IDs before it, so a generation resumed from
 its IDs must go on with exactly the tokens of a run without the fault. It can die like a vLLM
 tree: every stream it runs is cut at once. The test plays the supervisor on the front's stdin.
-The same promises are shown on a real vLLM in tests/e2e/test_vllm.py; these cover the front's
+The same promises are shown on a real vLLM in tests/e2e/test_vllm*.py; these cover the front's
 rules fast, in every `make test`.
 """
 
