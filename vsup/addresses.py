@@ -109,6 +109,13 @@ def state_file(run_dir: str) -> str:
     return os.path.join(run_dir, "state.json")
 
 
+def metrics_dir(run_dir: str) -> str:
+    """Where the API servers keep their Prometheus counters and histograms, one file per process, so that
+    /metrics sums them over every API server, those restarted included (prometheus_client's multiprocess
+    mode); emptied when the supervisor starts."""
+    return os.path.join(run_dir, "metrics")
+
+
 def control_socket(run_dir: str) -> str:
     """The supervisor's own control socket (a Unix stream socket, JSON lines)."""
     return os.path.join(run_dir, "control.sock")

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -61,6 +62,10 @@ class RunDir:
     @property
     def control_socket(self) -> Path:
         return Path(addresses.control_socket(str(self.path)))
+
+    @property
+    def metrics_dir(self) -> Path:
+        return Path(addresses.metrics_dir(str(self.path)))
 
     def exists(self) -> bool:
         try:
@@ -119,6 +124,12 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd  # held until this process exits
+
+    def empty_metrics(self) -> None:
+        """A new deployment's API servers count from 0: the files of the last one under this name go."""
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.metrics_dir.mkdir(mode=0o700)
+        os.chmod(self.metrics_dir, 0o700)
 
     def write_state(self, state: dict) -> None:
         """Atomically replace state.json (0600): a reader sees the old or the new, never half."""

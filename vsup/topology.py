@@ -292,7 +292,7 @@ def meeting_args(config: ParallelConfig, role: str, run_dir: str, deployment: st
                        "--ring-prefix", addresses.ring_prefix(deployment, 0),
                        "--wakeup-address", addresses.ring_wakeup_socket(run_dir, 0))
         return ("--engine-address", addresses.api_server_engine_socket(run_dir, a, net),
-                "--state-file", addresses.state_file(run_dir),
+                "--state-file", addresses.state_file(run_dir), "--metrics-dir", addresses.metrics_dir(run_dir),
                 "--supervisor-socket", addresses.control_socket(run_dir), *coordinator, *workers)
     if role == ENGINE_CORE:
         servers = [x for i in range(config.head_api_server_count)

@@ -35,6 +35,7 @@ class RankState:
     external_load: int | None = None  # requests from all API servers, when a coordinator says
     num_restarts: int = 0
     counters: tuple[int, int, int] | None = None  # the core's [steps, dummy steps, requests], from the coordinator
+    draining: bool = False            # finishing what runs before a restart: the last choice
 
 
 class DpRanks:
@@ -66,18 +67,19 @@ class DpRanks:
         rank = self.get(dp_rank)
         replaced = rank.instance is not None and rank.instance != instance
         if rank.instance != instance:
-            rank.state, rank.error = STARTING, None
+            rank.state, rank.error, rank.draining = STARTING, None, False
             rank.num_restarts += replaced
         rank.instance, rank.pid = instance, pid if pid is not None else rank.pid
         rank.node = node or rank.node
         self.heard(dp_rank)
         return replaced
 
-    def on_ready(self, dp_rank: int, max_model_len: int) -> bool:
+    def on_ready(self, dp_rank: int, max_model_len: int, draining: bool = False) -> bool:
         """A Ready or heartbeat of the rank's current instance; True when it just became ready."""
         rank = self.get(dp_rank)
         became_ready = rank.state != READY
         rank.state, rank.was_ready, rank.error, rank.max_model_len = READY, True, None, max_model_len
+        rank.draining = draining
         self.heard(dp_rank)
         return became_ready
 
@@ -120,12 +122,13 @@ class DpRanks:
 
     def choose(self, exclude: frozenset[int] = frozenset(), fresh_only: bool = False) -> int:
         """The least-loaded routable rank, preferring ranks heard from lately (with `fresh_only`, only
-        those); raises EngineUnavailable."""
+        those) and ranks not draining; raises EngineUnavailable."""
         candidates = [r for r in self.ranks.values() if r.dp_rank not in exclude and self.is_routable(r.dp_rank)
                       and (self._is_fresh(r) or not fresh_only)]
         if not candidates:
             raise EngineUnavailable(self.why_unavailable())
-        best = min(candidates, key=lambda r: (not self._is_fresh(r), r.state != READY, self.load(r), r.dp_rank))
+        best = min(candidates, key=lambda r: (not self._is_fresh(r), r.state != READY, r.draining, self.load(r),
+                                              r.dp_rank))
         return best.dp_rank
 
     def load(self, rank: RankState) -> int:
@@ -152,7 +155,7 @@ class DpRanks:
             ranks[str(r.dp_rank)] = {
                 "state": r.state if r.state != READY or self._is_fresh(r) else "unresponsive",
                 "pid": r.pid, "node": r.node or None, "num_in_flight": r.num_in_flight,
-                "num_restarts": r.num_restarts,
+                "num_restarts": r.num_restarts, **({"draining": True} if r.draining else {}),
                 "seconds_since_heard": None if r.last_heard is None else round(now - r.last_heard, 3),
                 **({"error": r.error} if r.error else {}),
             }

@@ -225,7 +225,7 @@ class EngineClient(ClientBase):
                 if self._refuse(msg.dp_rank, msg.instance, fingerprint_hash=msg.fingerprint_hash):
                     return
                 self._on_hello(msg.dp_rank, msg.instance, None)
-            if self.ranks.on_ready(msg.dp_rank, msg.max_model_len):
+            if self.ranks.on_ready(msg.dp_rank, msg.max_model_len, draining=msg.draining):
                 log.info("engine core ready", dp_rank=msg.dp_rank, max_model_len=msg.max_model_len,
                          num_blocks=msg.num_blocks)
         elif isinstance(msg, Hello):

@@ -8,6 +8,13 @@ With DP > 1 the coordinator publishes each core's counters, shown per dp_rank:
 `vsup_engine_steps_total` (steps with a batch of requests), `vsup_engine_dummy_steps_total`
 (--dp-lockstep: steps an idle rank ran beside a busy one) and `vsup_engine_requests_total`.
 
+Several API servers (`--api-server-count`, DP > 1) share one port, and a scrape reaches one of them.
+Under `vsup serve` they share `--metrics-dir` too: each keeps its counters and histograms in files there
+(prometheus_client's multiprocess mode) and /metrics sums those of every API server, restarted ones
+included, so a scrape shows the deployment's totals whichever answers, and a counter never goes back.
+The gauges are the cores' and the supervisor's, the same from every API server, except
+`vsup_api_server_requests_in_flight`: the answering API server's own.
+
 Restarts: `vsup_restarts_total{role}`. Under `vsup serve` they come from the
 supervisor's state.json (`--state-file`), which counts every role; without
 it, the API server counts the engine cores it saw replaced (a Hello with a
@@ -17,8 +24,10 @@ new instance id) through `record_restart(role)`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,11 +45,18 @@ ROLES = ("api-server", "engine-core", "worker", "coordinator")
 class Metrics:
     """The counters and histograms the generation routes feed, and the engine stats collector."""
 
-    def __init__(self, client, state_file: str | None = None, supervisor_socket: str | None = None):
+    def __init__(self, client, state_file: str | None = None, supervisor_socket: str | None = None,
+                 shared_dir: str | None = None):
         self.client = client
         self.state_file = state_file
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if shared_dir:  # the values live in files, and the registry sums every API server's at scrape time
+            if values.ValueClass is values.MutexValue:  # (server.main sets it up)
+                raise RuntimeError("--metrics-dir: prometheus_client was imported before its multiprocess "
+                                   "directory was set")
+            MultiProcessCollector(r, path=shared_dir)
+            r = None
         self.time_to_first_token = Histogram(
             "vsup_time_to_first_token_seconds", "Time from request arrival to its first token.",
             buckets=TTFT_BUCKETS, registry=r)
@@ -54,15 +70,13 @@ class Metrics:
         self.generation_tokens = Counter("vsup_generation_tokens", "Tokens generated.", registry=r)
         self.requests_finished = Counter("vsup_requests_finished", "Finished engine requests by reason.",
                                          ["finish_reason"], registry=r)
-        if state_file:
-            r.register(SupervisorRestartsCollector(state_file))
-        else:
-            self.restarts = Counter("vsup_restarts", "Processes restarted, by role.", ["role"], registry=r)
-            for role in ROLES:
-                self.restarts.labels(role=role)  # every role shows, at 0, before its first restart
-        r.register(EngineStatsCollector(client))
+        self.restarts_seen = dict.fromkeys(ROLES, 0)  # every role shows, at 0, before its first restart
+        self.registry.register(RestartsCollector(
+            (lambda: supervisor_state.restarts_by_role(supervisor_state.read(state_file), ROLES)) if state_file
+            else lambda: self.restarts_seen))
+        self.registry.register(EngineStatsCollector(client))
         if supervisor_socket:
-            r.register(ProcessLoadCollector(supervisor_socket))
+            self.registry.register(ProcessLoadCollector(supervisor_socket))
 
     # what the routes report
 
@@ -86,7 +100,7 @@ class Metrics:
         """`role` (api-server, engine-core, worker, coordinator) was restarted `count` times;
         ignored under a supervisor, whose own count is the one shown."""
         if not self.state_file:
-            self.restarts.labels(role=role).inc(count)
+            self.restarts_seen[role] += count
 
     async def render(self) -> bytes:
         """The exposition text, with the cores' stats fetched now (those that answer within 1 s)."""
@@ -145,16 +159,16 @@ class EngineStatsCollector(Collector):
         yield from (running, waiting, kv_usage, hit_rate, preemptions, up, in_flight, steps, dummy_steps, requests)
 
 
-class SupervisorRestartsCollector(Collector):
-    """`vsup_restarts_total{role}` as the supervisor counts them, read from its state.json at scrape time."""
+class RestartsCollector(Collector):
+    """`vsup_restarts_total{role}` at scrape time, from `counts()`: the supervisor's (its state.json), or
+    else the engine-core restarts this API server saw, never summed over API servers (each saw them all)."""
 
-    def __init__(self, state_file: str):
-        self.state_file = state_file
+    def __init__(self, counts: Callable[[], dict[str, int]]):
+        self.counts = counts
 
     def collect(self):
-        restarts = supervisor_state.restarts_by_role(supervisor_state.read(self.state_file), ROLES)  # (0s: none yet)
         family = CounterMetricFamily("vsup_restarts", "Processes restarted, by role.", labels=["role"])
-        for role, count in restarts.items():
+        for role, count in self.counts().items():
             family.add_metric([role], count)
         yield family
 

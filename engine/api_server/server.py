@@ -54,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wakeup-address", default=None, help="in-process mode, TP x PP > 1: the ring's wakeup socket")
     p.add_argument("--supervisor-socket", default=None,
                    help="the supervisor's control socket: what each process is busy with, for /metrics")
-    p.add_argument("--state-file", default=None, help="the supervisor's state.json: restarts per role for /metrics, ranks it gave up on for /health")
+    p.add_argument("--metrics-dir", default=None,
+                   help="a directory that every API server of the deployment shares: /metrics sums their counters "
+                        "and histograms, those of API servers that restarted included")
+    p.add_argument("--state-file", default=None,
+                   help="the supervisor's state.json: restarts per role for /metrics, ranks it gave up on for /health")
     p.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false",
                    default=os.environ.get(ENV_MULTIPROCESSING, "1") != "0",
                    help=f"run the engine core and its worker in this process (or ${ENV_MULTIPROCESSING}=0)")
@@ -121,7 +125,8 @@ def build(args: argparse.Namespace, before_serving=None):
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
             ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address))
-    metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket)
+    metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket,
+                      shared_dir=args.metrics_dir)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
                       max_model_len=args.max_model_len or model_config.max_model_len,
                       vocab_size=model_config.vocab_size, metrics=metrics)
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.process import become
 
     args = parse_args(argv)
+    if args.metrics_dir:  # prometheus_client reads it once, when imported (engine/api_server/metrics.py)
+        os.makedirs(args.metrics_dir, mode=0o700, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = args.metrics_dir
     become(f"api-server a{args.api_server_rank}")
     log = configure("api-server", a=args.api_server_rank)
     if args.model is None:

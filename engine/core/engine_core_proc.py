@@ -262,6 +262,7 @@ class EngineCoreProc:
                          num_running=self.core.stats().num_running, num_waiting=self.core.stats().num_waiting)
                 self.core.drain()
                 self.said_drained = False
+                self.say_ready()  # the API servers route new requests to the other ranks from now
             if isinstance(msg, WorkersLost) and self.core is not None and self.core.executor is not None:
                 raise WorkerGroupFailed(f"the supervisor says: {msg.reason or 'workers lost'}")
 
@@ -316,7 +317,7 @@ class EngineCoreProc:
                 raise CoreRefused(str(e)) from None
         self.say(Ready(dp_rank=self.dp_rank, instance=self.instance, max_model_len=self.core.config.max_model_len,
                        num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size,
-                       fingerprint_hash=self.fingerprint_hash))
+                       fingerprint_hash=self.fingerprint_hash, draining=self.core.draining))
 
     # losing and regaining the worker group
 
@@ -344,6 +345,7 @@ class EngineCoreProc:
         log.info("worker group back; recomputing", seconds=round(time.monotonic() - self.lost_at, 2),
                  num_blocks=self.group.num_blocks)
         self.lost_at = None
+        self.say_ready()  # no longer draining, if a drain brought this on
 
 
 def parse_args(argv: list[str] | None = None):

@@ -71,7 +71,9 @@ class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
 
 
 class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
-    """The core's workers are up and its KV cache is allocated: send requests."""
+    """The core's workers are up and its KV cache is allocated: send requests. `draining`: it finishes
+    what runs and starts nothing new before a restart (`vsup restart`): send requests elsewhere if any
+    other rank can take them (they would wait here for the restart)."""
 
     dp_rank: int
     instance: str
@@ -79,6 +81,7 @@ class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     num_blocks: int
     block_size: int
     fingerprint_hash: str = ""
+    draining: bool = False
 
 
 class Failed(msgspec.Struct, tag="failed"):

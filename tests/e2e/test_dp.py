@@ -8,9 +8,11 @@ import os
 import signal
 import threading
 
+import httpx
 import pytest
 
-from tests.e2e.served import complete, complete_all
+from tests.e2e.served import Streams, complete, complete_all
+from tests.polling import wait_for
 
 def test_dp2_spreads_requests_over_both_ranks_with_the_tokens_of_dp1(serve):
     dp1, dp2 = serve(name="dp1"), serve("-dp", "2", name="dp2")  # both start at once
@@ -86,3 +88,31 @@ def test_lockstep_survives_a_coordinator_restart_mid_request(serve):
     code, out, err = s.stop()
     assert code == 0
     assert "a new coordinator runs the waves; following it" in out  # (a stall of ~2 s may be logged too)
+
+
+def test_a_draining_rank_gets_no_new_request_while_another_can_take_them(serve):
+    """`vsup restart --role worker --dp 0` under 8 streams drains dp0 (its running requests finish, then
+    its workers restart): the requests that come meanwhile go to dp1 instead of waiting in dp0's queue
+    for the restart, and every stream completes."""
+    s = serve("-dp", "2")
+    s.wait_serving()
+    streams = Streams(s.client, [f"story {i}" for i in range(8)], n=200)
+    wait_for(streams.all_streaming, timeout=60, what="8 streams under way")
+    restart = threading.Thread(target=lambda: s.vsup("restart", "--role", "worker", "--dp", "0"))
+    restart.start()
+
+    def draining():
+        ranks = httpx.get(f"{s.url}/health", timeout=10).json().get("dp_ranks", {})
+        return ranks.get("0", {}).get("draining")
+    try:
+        wait_for(draining, timeout=30, what="dp0 draining, as the API servers see it")
+        assert streams.running(), "every stream ended before the drain: make them longer"
+        took = {r: c[2] for r, c in s.counters().items()}  # requests each core took so far
+        assert all(complete(s.client, f"while dp0 drains {i}", n=4) for i in range(6))
+        now = wait_for(lambda: (c := s.counters()) and c[1][2] >= took[1] + 6 and c, timeout=10,
+                       what="dp1's count of the 6 requests")
+        assert now[0][2] == took[0] and now[1][2] == took[1] + 6, (took, now)
+    finally:
+        restart.join(timeout=120)
+    assert all(isinstance(t, str) for t in streams.texts())
+    assert s.stop()[0] == 0

@@ -247,10 +247,17 @@ def test_restart_of_a_worker_by_hand_drains_first_and_loses_nothing(serve):
     assert s.stop()[0] == 0
 
 
+def sample(scrape: str, name: str) -> float | None:
+    """The value of one sample (`name` with its labels, as exposed) in a /metrics text."""
+    return next((float(line.rpartition(" ")[2]) for line in scrape.splitlines()
+                 if line.rpartition(" ")[0] == name), None)
+
+
 def test_restart_of_the_api_servers_drains_one_at_a_time_and_fails_nothing(serve):
     """`vsup restart --role api-server` with two API servers under 16 streams: each stops taking
     connections, finishes its own streams and restarts (exit 0, counted), the second only once the first
-    is back, so the port always has a listener; every stream completes with the fault-free text."""
+    is back, so the port always has a listener; every stream completes with the fault-free text. And
+    /metrics, whichever API server answers, counts every request of both, those before the restart too."""
     s = serve("--api-server-count", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(16)]
@@ -273,5 +280,9 @@ def test_restart_of_the_api_servers_drains_one_at_a_time_and_fails_nothing(serve
              and str(r.get("process")).startswith("api-server")]
     assert order[-4:] == [("restarting gracefully", "api-server a0"), ("ready", "api-server a0"),
                           ("restarting gracefully", "api-server a1"), ("ready", "api-server a1")], order
+    for _ in range(4):  # a new connection each: the kernel hands each to either API server
+        scrape = httpx.get(f"{s.url}/metrics", headers={"Connection": "close"}, timeout=30).text
+        assert sample(scrape, 'vsup_requests_finished_total{finish_reason="length"}') == 2 * len(prompts)
+        assert sample(scrape, "vsup_generation_tokens_total") == 2 * len(prompts) * LONG
     assert len(complete_all(s.client, prompts[:4], n=8)) == 4  # and serving after
     assert s.stop()[0] == 0

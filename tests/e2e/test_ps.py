@@ -119,11 +119,10 @@ def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
     s.wait_serving()
     assert Streams(s.client, [f"story {i}" for i in range(4)], n=16).texts()
 
-    labels: dict[str, set[str]] = {}
-
     def scrape() -> dict[str, set[str]]:
-        """Every metric and label seen so far: each scrape is answered by one of the two API servers (they
-        share the port), and a counter shows only in the one that counted something."""
+        """Every metric of one scrape, with its labels: either of the two API servers (they share the port)
+        answers it with what both counted."""
+        labels: dict[str, set[str]] = {}
         for line in httpx.get(f"{s.url}/metrics", timeout=30, headers={"Connection": "close"}).text.splitlines():
             if line and not line.startswith("#"):
                 name, _, rest = line.partition("{")

@@ -49,6 +49,19 @@ def test_least_loaded_rank_wins_and_the_coordinator_hook_adds_load():
     assert ranks.max_model_len() == 256
 
 
+def test_a_draining_rank_is_the_last_choice_until_its_new_instance_says_hello():
+    clock = Clock()
+    ranks = ready_ranks(2, clock)
+    ranks.get(1).num_in_flight = 20
+    ranks.on_ready(0, 256, draining=True)  # vsup restart: dp0 finishes what runs, then restarts
+    assert ranks.choose() == 1  # busier, but not draining
+    assert ranks.summary()["dp_ranks"]["0"]["draining"] is True and "draining" not in ranks.summary()["dp_ranks"]["1"]
+    assert ranks.choose(exclude=frozenset({1})) == 0  # alone, it still takes requests: they wait there
+    ranks.on_hello(0, "i0-new", 2000)
+    ranks.on_ready(0, 256)
+    assert ranks.choose() == 0 and not ranks.get(0).draining
+
+
 def test_failed_rank_is_routed_around_until_a_new_instance_says_hello():
     clock = Clock()
     ranks = ready_ranks(2, clock)

@@ -122,6 +122,7 @@ def serve(
     run_dir.create()
     crash.remember(run_dir)
     run_dir.lock()
+    run_dir.empty_metrics()
     code, message = supervise(the_plan, run_dir, run, log_format.value, vllm=tree)
     if code:
         typer.echo(f"vsup serve: {message}", err=True)
