@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
-# two workers: one runs the stock-vLLM modules (mostly vLLM starting, one core busy), the other the rest
+# two pytest-xdist workers, each module whole on one, the longest first (tests/conftest.py)
 PYTEST_ARGS ?= --durations=15 -n 2
 
 .PHONY: install serve test vllm bench bench-quick bench-smoke gpu-wheels clean
