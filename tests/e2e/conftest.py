@@ -1,10 +1,12 @@
-"""Fixtures of the e2e tests: the tiny model with a tokenizer, and `vsup serve` subprocesses."""
+"""Fixtures of the e2e tests: the tiny model with a tokenizer, `vsup serve` subprocesses, and a stock
+vLLM under vsup (tests/e2e/test_vllm*.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.served import Served
+from tests.e2e.vllm_served import serve_default_model, vllm_bin_or_skip
 from tests.local_deployment import with_test_tokenizer
 
 
@@ -37,3 +39,16 @@ def serve(tmp_path, model):
     yield start
     for s in started:
         s.kill()
+
+
+@pytest.fixture(scope="module")
+def vllm_bin():
+    return vllm_bin_or_skip()
+
+
+@pytest.fixture(scope="module")
+def vllm_deployment(vllm_bin, tmp_path_factory):
+    """The default model under a stock vLLM, one deployment per module that asks (serve_default_model)."""
+    s = serve_default_model(tmp_path_factory.mktemp("vllm-home"))
+    yield s
+    s.kill()

@@ -109,7 +109,7 @@ def test_a_draining_rank_gets_no_new_request_while_another_can_take_them(serve):
         assert streams.running(), "every stream ended before the drain: make them longer"
         took = {r: c[2] for r, c in s.counters().items()}  # requests each core took so far
         assert all(complete(s.client, f"while dp0 drains {i}", n=4) for i in range(6))
-        now = wait_for(lambda: (c := s.counters()) and c[1][2] >= took[1] + 6 and c, timeout=10,
+        now = wait_for(lambda: (c := s.counters()) and c[1][2] >= took[1] + 6 and c, timeout=60,
                        what="dp1's count of the 6 requests")
         assert now[0][2] == took[0] and now[1][2] == took[1] + 6, (took, now)
     finally:

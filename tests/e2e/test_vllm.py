@@ -18,8 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.vllm_served import (NATIVE, fault_free, in_flight, plan_names, running, serve_default_model,
-                                   tree_pids, vllm_bin_or_skip)
+from tests.e2e.vllm_served import NATIVE, fault_free, in_flight, plan_names, running, tree_pids
 from tests.polling import wait_for
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
@@ -27,22 +26,10 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def vllm_bin():
-    return vllm_bin_or_skip()
-
-
-@pytest.fixture(scope="module")
-def deployment(vllm_bin, tmp_path_factory):
-    s = serve_default_model(tmp_path_factory.mktemp("vllm-home"))
-    yield s
-    s.kill()
-
-
-def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
-    state = deployment.wait_serving(timeout=300)
+def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(vllm_deployment):
+    state = vllm_deployment.wait_serving(timeout=300)
     assert [p["name"] for p in state["processes"]] == plan_names()
-    reply = deployment.client.chat.completions.create(model="tiny", temperature=0, max_tokens=16, messages=[
+    reply = vllm_deployment.client.chat.completions.create(model="tiny", temperature=0, max_tokens=16, messages=[
         {"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in reply.choices[0].message.content
     assert state["supervisor"]["engine"] == "vllm"
@@ -51,7 +38,7 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
     assert titles["engine-core dp0"] == "VLLM::EngineCore" and titles["worker dp0 pp0 tp0"] == "VLLM::Worker"
 
     def records(*flags):
-        out = deployment.vsup("logs", "--json", *flags).stdout
+        out = vllm_deployment.vsup("logs", "--json", *flags).stdout
         return [json.loads(line) for line in out.splitlines()]
 
     worker = wait_for(lambda: (r := records("--role", "worker")) and any(x["event"] == NATIVE for x in r) and r,
@@ -68,18 +55,18 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(deployment):
     assert len(warnings) < len(core)
 
 
-def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment):
+def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(vllm_deployment):
     """16 greedy streams, chat and completions, through three deaths of the tree behind the front (kill -9
     of its Worker, then of its EngineCore, then of its API server): each stream pauses and goes on with
     exactly the text of a fault-free run, and `ps` counts each restart under the role that died. Killed
     vLLM alone fails them all, and its API server's death leaves its EngineCore, Worker and
     resource_tracker running (#55510). (Each kill here is a whole new tree, 30-60 s on two cores.)"""
     n = 96
-    reference = fault_free(deployment.client, 16, n)
-    threads, outcomes, seen = in_flight(deployment.client, 16, n)
+    reference = fault_free(vllm_deployment.client, 16, n)
+    threads, outcomes, seen = in_flight(vllm_deployment.client, 16, n)
     victims = ("worker dp0 pp0 tp0", "engine-core dp0", "api-server a0")
     for victim in victims:
-        before = tree_pids(deployment.wait_serving(timeout=300))
+        before = tree_pids(vllm_deployment.wait_serving(timeout=300))
         before.pop("front")
         counts = [len(s) for s in seen]
         wait_for(lambda: all(len(s) > c for s, c in zip(seen, counts)) and all(o is None for o in outcomes),
@@ -93,23 +80,23 @@ def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(deployment
     for t in threads:
         t.join(timeout=300)
     assert outcomes == reference
-    state = deployment.wait_serving(timeout=300)
+    state = vllm_deployment.wait_serving(timeout=300)
     rows = {p["name"]: p for p in state["processes"]}
     assert state["units"]["vllm"]["by_role"] == {"worker": 1, "engine-core": 1, "api-server": 1}
     assert [rows[v]["restarts"] for v in victims] == [1, 1, 1] and rows["front"]["restarts"] == 0
-    metrics = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
+    metrics = httpx.get(f"http://127.0.0.1:{vllm_deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
     assert 'vsup_restarts_total{role="engine-core"} 1\n' in metrics and "vllm:num_requests_running" in metrics
     assert "vsup_front_resumed_total 48" in metrics  # 16 streams, three times
 
 
-def test_sigterm_drains_a_running_request_and_exits_0(deployment):
-    before = tree_pids(deployment.wait_serving(timeout=300))
+def test_sigterm_drains_a_running_request_and_exits_0(vllm_deployment):
+    before = tree_pids(vllm_deployment.wait_serving(timeout=300))
     # 48 tokens: SmolLM2 streams at 8-20 tokens/s on vLLM-CPU's one model core, well inside the 30 s drain
-    threads, outcomes, seen = in_flight(deployment.client, 1, 48)
+    threads, outcomes, seen = in_flight(vllm_deployment.client, 1, 48)
     wait_for(lambda: seen[0] and outcomes[0] is None, timeout=120, what="a stream under way")
-    deployment.proc.send_signal(signal.SIGTERM)
+    vllm_deployment.proc.send_signal(signal.SIGTERM)
     threads[0].join(timeout=120)
-    code, out, err = deployment.stop()
+    code, out, err = vllm_deployment.stop()
     assert code == 0, err
     assert isinstance(outcomes[0], str) and len(seen[0]) == 48  # every token, not cut off
     assert not [pid for pid in before.values() if running(pid)]

@@ -18,17 +18,12 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.vllm_served import fault_free, in_flight, plan_names, running, serve_vllm, tree_pids, vllm_bin_or_skip
+from tests.e2e.vllm_served import fault_free, in_flight, plan_names, running, serve_vllm, tree_pids
 from tests.polling import wait_for
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
 # again on a loaded one): the default 300 s per test is too tight
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def vllm_bin():
-    return vllm_bin_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,11 @@ import pytest
 
 from tests.conftest import build_checkpoint, held_shm
 from tests.e2e.served import VSUP
-from tests.e2e.vllm_served import NATIVE, plan_names, running, serve_vllm, tree_pids, vllm_bin_or_skip
+from tests.e2e.vllm_served import NATIVE, plan_names, running, serve_vllm, tree_pids
 from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(600)  # a vLLM tree takes 30-50 s to start on two cores, more when loaded
-
-
-@pytest.fixture(scope="module")
-def vllm_bin():
-    return vllm_bin_or_skip()
 
 
 @pytest.fixture(scope="module")
