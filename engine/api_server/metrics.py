@@ -23,6 +23,8 @@ new instance id) through `record_restart(role)`.
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 from collections.abc import Callable
 
@@ -55,7 +57,7 @@ class Metrics:
             if values.ValueClass is values.MutexValue:  # (server.main sets it up)
                 raise RuntimeError("--metrics-dir: prometheus_client was imported before its multiprocess "
                                    "directory was set")
-            MultiProcessCollector(r, path=shared_dir)
+            r.register(SharedFilesCollector(shared_dir))
             r = None
         self.time_to_first_token = Histogram(
             "vsup_time_to_first_token_seconds", "Time from request arrival to its first token.",
@@ -109,6 +111,28 @@ class Metrics:
         except Exception:  # a scrape must answer even with no core reachable
             pass
         return generate_latest(self.registry)
+
+
+class SharedFilesCollector(Collector):
+    """The sum of every API server's counters and histograms in the files of `path` (prometheus_client's
+    multiprocess mode). A file another API server is creating this instant is empty until it sizes it:
+    it holds no value yet, so it is skipped rather than read."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def describe(self):
+        return []  # (registering must not read the files: another API server may be creating one)
+
+    def collect(self):
+        return MultiProcessCollector.merge([f for f in glob.glob(os.path.join(self.path, "*.db")) if _sized(f)])
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
 
 
 class EngineStatsCollector(Collector):
