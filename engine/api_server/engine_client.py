@@ -221,10 +221,11 @@ class EngineClient(ClientBase):
         if isinstance(msg, Outputs):
             self._deliver(msg.dp_rank, msg.outputs, msg.stats)
         elif isinstance(msg, Ready):
-            if self.ranks.get(msg.dp_rank).instance != msg.instance:  # its Hello was before our time
-                if self._refuse(msg.dp_rank, msg.instance, fingerprint_hash=msg.fingerprint_hash):
+            if self.ranks.get(msg.dp_rank).instance != msg.instance:  # its Hello was before our time, or lost
+                if self._refuse(msg.dp_rank, msg.instance, fingerprint_hash=msg.fingerprint_hash, pid=msg.pid,
+                                node=msg.node):
                     return
-                self._on_hello(msg.dp_rank, msg.instance, None)
+                self._on_hello(msg.dp_rank, msg.instance, msg.pid, msg.node)
             if self.ranks.on_ready(msg.dp_rank, msg.max_model_len, draining=msg.draining):
                 log.info("engine core ready", dp_rank=msg.dp_rank, max_model_len=msg.max_model_len,
                          num_blocks=msg.num_blocks)

@@ -317,7 +317,8 @@ class EngineCoreProc:
                 raise CoreRefused(str(e)) from None
         self.say(Ready(dp_rank=self.dp_rank, instance=self.instance, max_model_len=self.core.config.max_model_len,
                        num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size,
-                       fingerprint_hash=self.fingerprint_hash, draining=self.core.draining))
+                       fingerprint_hash=self.fingerprint_hash, draining=self.core.draining, pid=os.getpid(),
+                       node=socket.gethostname()))
 
     # losing and regaining the worker group
 

@@ -73,7 +73,9 @@ class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
 class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     """The core's workers are up and its KV cache is allocated: send requests. `draining`: it finishes
     what runs and starts nothing new before a restart (`vsup restart`): send requests elsewhere if any
-    other rank can take them (they would wait here for the restart)."""
+    other rank can take them (they would wait here for the restart). It names its process as Hello
+    does: an API server that missed the Hello (it restarted, or a reconnection lost it) learns the
+    core's pid and node from the next heartbeat."""
 
     dp_rank: int
     instance: str
@@ -82,6 +84,8 @@ class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     block_size: int
     fingerprint_hash: str = ""
     draining: bool = False
+    pid: int | None = None
+    node: str = ""
 
 
 class Failed(msgspec.Struct, tag="failed"):

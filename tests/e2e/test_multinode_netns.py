@@ -104,7 +104,7 @@ def wait_joined(head, node) -> int:
     def joined():
         body = health(head)
         return body["up"] == [0, 1] and body["dp_ranks"]["1"]["pid"] == core
-    wait_for(joined, 90, "dp1 never joined the head")
+    wait_for(joined, 90, f"dp1 (engine core pid {core}) never joined the head", now=lambda: health(head))
     return core
 
 

@@ -123,6 +123,25 @@ def test_replaced_core_gets_the_requests_with_their_tokens_so_far(tmp_path):
     run(tmp_path, scenario, num_ranks=1)
 
 
+def test_a_replacement_whose_hello_was_lost_is_known_by_its_heartbeat(tmp_path):
+    """A reconnection can lose the Hello (and an API server that restarted never saw it): the Ready every
+    second names the core, so its requests move to it and /health shows its pid, not the old one's."""
+    async def scenario(client, ctx, address):
+        (old,) = await started(ctx, address, [0])
+        await until(client.is_ready)
+        stream = client.add_request([1, 2, 3], PARAMS, "x")
+        assert (await old.recv()).req_id == "x"
+        new = FakeCore(ctx, address, 0, "replacement")
+        old.sock.close()
+        await new.say(Ready(0, "replacement", 256, 64, 16, pid=5151, node="node1"))
+        resubmitted = await new.recv()
+        assert resubmitted.req_id == "x~2" and stream.dp_rank == 0
+        rank = client.health()["dp_ranks"]["0"]
+        assert (rank["pid"], rank["num_restarts"]) == (5151, 1)
+
+    run(tmp_path, scenario, num_ranks=1)
+
+
 def test_failed_rank_hands_its_requests_to_another_or_ends_them(tmp_path):
     async def scenario(client, ctx, address):
         core0, core1 = await started(ctx, address, [0, 1])
