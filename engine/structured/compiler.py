@@ -27,11 +27,24 @@ class GrammarError(ValueError):
     """A grammar that cannot be served: invalid, or too slow to compile. The message says which."""
 
 
+class CompileJob:
+    """One compile in the pool, shared by every request of its key; `started` is set when it begins
+    compiling (after any queue, and after the tokenizer's one-off load), which the timeout counts from."""
+
+    def __init__(self):
+        self.future: Future | None = None
+        self.started: float | None = None
+
+
 class PendingGrammar:
     """One request's compile: ready, failed (with the reason) or still running."""
 
-    def __init__(self, future: Future, started: float, timeout_s: float):
-        self.future, self.started, self.timeout_s = future, started, timeout_s
+    def __init__(self, job: CompileJob, timeout_s: float):
+        self.job, self.timeout_s = job, timeout_s
+
+    @property
+    def future(self) -> Future:
+        return self.job.future
 
     def result(self, now: float | None = None):
         """The compiled grammar; None while it compiles; raises GrammarError if it failed or timed out."""
@@ -40,7 +53,8 @@ class PendingGrammar:
             if error is not None:
                 raise GrammarError(str(error)) from None
             return self.future.result()
-        if (now if now is not None else time.monotonic()) - self.started > self.timeout_s:
+        started = self.job.started
+        if started is not None and (now if now is not None else time.monotonic()) - started > self.timeout_s:
             raise GrammarError(f"the grammar took longer than the compile timeout ({self.timeout_s:g} s, "
                                f"--grammar-compile-timeout) to compile; simplify the schema or grammar")
         return None
@@ -57,23 +71,25 @@ class GrammarCompiler:
         self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar")
         self._xgrammar = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
 
     def compile(self, spec: StructuredOutputs) -> PendingGrammar:
         """Start (or join) the compile of `spec`; never raises."""
         key = spec.key
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None and _is_transient(future)):
-            future = self.pool.submit(self._compile, key)
-            self._cache[key] = future
+        job = self._cache.get(key)
+        if job is None or (job.future.done() and _is_transient(job.future)):
+            job = CompileJob()
+            job.future = self.pool.submit(self._compile, key, job)
+            self._cache[key] = job
         self._cache.move_to_end(key)
         while len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
-        return PendingGrammar(future, time.monotonic(), self.timeout_s)
+        return PendingGrammar(job, self.timeout_s)
 
-    def _compile(self, key: tuple[str, str]):
+    def _compile(self, key: tuple[str, str], job: CompileJob):
         kind, source = key
         compiler = self._xgrammar_compiler()
+        job.started = time.monotonic()
         started = time.perf_counter()
         try:
             if kind in ("json", "json-compact"):
@@ -121,4 +137,6 @@ def _compiler_message(error: Exception) -> str:
 
 
 def _is_transient(future: Future) -> bool:
-    return not isinstance(future.exception(), GrammarError)
+    """A compile that failed for a reason other than its grammar (the tokenizer's load): try again."""
+    error = future.exception()
+    return error is not None and not isinstance(error, GrammarError)
