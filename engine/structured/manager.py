@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from engine.structured.compiler import GrammarCompiler, GrammarError, PendingGrammar
 from engine.structured.matcher import RequestGrammar, bitmask_bytes, rebuilt
@@ -48,8 +49,6 @@ class StructuredOutputManager:
 
     def wait(self, timeout_s: float) -> None:
         """Block up to `timeout_s` for any pending compile (the core has nothing else to do)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
-
         futures = [p.future for p in self.pending.values()]
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
