@@ -196,3 +196,24 @@ def test_a_core_killed_mid_stream_resumes_the_grammar_from_the_tokens_streamed(c
     finally:
         codes = server.stop()  # this test started the replacements: they end with it
     assert codes["core-dp0"] == 0, codes
+
+
+def test_in_process_mode_serves_structured_outputs(tiny_model):
+    """--no-multiprocessing: the engine core in the API server's process compiles and masks alike."""
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
+    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
+    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=256, kv_cache_bytes=2 << 20)
+    d.start(in_process=True)
+    try:
+        d.wait_ready()
+        local = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+        out = local.completions.create(prompt="Pick:", max_tokens=20, extra_body={"structured_outputs": {
+            "choice": CHOICES}}, **GREEDY)
+        assert out.choices[0].text in CHOICES and out.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="invalid regex"):
+            local.completions.create(prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "(("}},
+                                     **GREEDY)
+    finally:
+        codes = d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert all(code == 0 for code in codes.values()), codes

@@ -179,3 +179,46 @@ def test_a_compile_that_outlives_its_timeout_fails_the_request():
         pending.result(now=103.0)
     job.started = None  # still queued: the clock has not started
     assert pending.result(now=1e9) is None
+
+
+def test_structured_requests_preempted_for_kv_space_resume_their_grammar_and_validate(compiler):
+    """Six structured requests and a plain one in a cache that holds about two of them: preempted and
+    resumed, each keeps its grammar state, and its output validates. Tokens come from a fake model that
+    draws uniformly from what each row's bitmask allows (any token for the plain one)."""
+    from transformers import AutoTokenizer
+
+    schema = {"type": "array", "items": {"enum": ["x", "yy"]}, "minItems": 6, "maxItems": 6}
+    spec = StructuredOutputs(json=json.dumps(schema), disable_any_whitespace=True)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=24, block_size=4, max_model_len=128, eos_token_id=2),
+                          StructuredOutputManager(compiler))
+    for i in range(6):
+        scheduler.add(Request(f"s{i}", [3 + i, 4, 5, 6], SamplingParams(max_tokens=60, structured_outputs=spec)))
+    scheduler.add(Request("plain", [7, 8], SamplingParams(max_tokens=30, ignore_eos=True)))
+    g, outputs = torch.Generator().manual_seed(0), {}
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        if scheduler.structured.has_pending():
+            scheduler.structured.wait(0.05)  # as the engine core does when a compile holds its only work
+        rows = {}
+        if out.grammar_bitmask is not None:
+            masks = bitmask_from_bytes(out.grammar_bitmask.data, len(out.grammar_bitmask.req_ids))
+            rows = dict(zip(out.grammar_bitmask.req_ids, allowed_tokens(masks, 256)))
+        sampling = [r for r in out.num_scheduled_tokens
+                    if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens]
+        assert set(rows) == {r for r in sampling if r != "plain"}
+        tokens = []
+        for req_id in sampling:
+            choices = rows[req_id].nonzero().flatten() if req_id in rows else torch.arange(3, 256)
+            tokens.append(int(choices[torch.randint(len(choices), (1,), generator=g)]))
+        for update in scheduler.update_from_output(out, ModelRunnerOutput(out.step_id, sampling, tokens)):
+            outputs.setdefault(update.req_id, []).extend(update.new_token_ids)
+            assert update.finish_reason in (None, FinishReason.STOP, FinishReason.LENGTH), update
+    assert not scheduler.has_unfinished_requests() and scheduler.num_preemptions > 0
+    tokenizer = AutoTokenizer.from_pretrained(compiler.model_dir)
+    for i in range(6):
+        assert outputs[f"s{i}"][-1] == 2
+        items = json.loads(tokenizer.decode(outputs[f"s{i}"][:-1]))
+        assert len(items) == 6 and set(items) <= {"x", "yy"}
+    assert len(outputs["plain"]) == 30 and not scheduler.structured.grammars
