@@ -8,6 +8,8 @@ InprocConfig, which spells them the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
@@ -15,13 +17,15 @@ from engine.executor.worker_group import WorkerGroup
 from engine.model.config import ModelConfig, eos_token_ids
 
 
-def start_worker_group(address: str, world_size: int, timeout_s: float, **options) -> WorkerGroup:
-    """Bind the workers' socket, wait for all their READYs, have them allocate the cache; on any
-    failure the group is closed (its workers are not told to stop: they may rejoin a new one)."""
+def start_worker_group(address: str, world_size: int, timeout_s: float, on_wait: Callable[[], None] | None = None,
+                       **options) -> WorkerGroup:
+    """Bind the workers' socket, wait for all their READYs, have them allocate the cache, running
+    `on_wait` every half second meanwhile; on any failure the group is closed (its workers are not
+    told to stop: they may rejoin a new one)."""
     group = WorkerGroup(address, world_size, **options)
     try:
-        group.wait_for_ready(timeout_s)
-        group.initialize_cache()
+        group.wait_for_ready(timeout_s, on_wait)
+        group.initialize_cache(on_wait=on_wait)
     except BaseException:
         group.close(shutdown_workers=False)
         raise
