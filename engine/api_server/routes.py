@@ -11,9 +11,11 @@ from engine.api_server.answer import json_response
 from engine.api_server.errors import OpenAIError, bad_request
 from engine.api_server.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest, check_token_ids)
+from engine.api_server.responses_models import ResponsesRequest
 from engine.api_server.serving import Serving
 from engine.api_server.serving_chat import create_chat_completion, render_messages
 from engine.api_server.serving_completions import create_completion
+from engine.api_server.serving_responses import create_response
 from engine.api_server.version import version
 
 openai = APIRouter()
@@ -51,6 +53,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """OpenAI chat completions through the model's chat template, streamed over SSE or whole."""
     return await create_chat_completion(body, request, serving_of(request))
+
+
+@openai.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API: one assistant message for a conversation, whole or as its stream of events."""
+    return await create_response(body, request, serving_of(request))
 
 
 def model_card(request: Request, name: str) -> dict:
