@@ -7,6 +7,7 @@ then CachedRequest deltas), so every TP and PP rank builds the same batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -116,7 +117,7 @@ class ModelRunner:
                 state.num_computed_tokens += n
             self.groups.send_intermediate(hidden)
             return None
-        prompt = self._prompt_logprobs(req_ids, states, counts, hidden, metadata.query_start_loc.tolist())
+        prompt = self._prompt_logprobs(req_ids, states, counts, hidden)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
 
@@ -134,11 +135,11 @@ class ModelRunner:
         return output
 
     def _prompt_logprobs(self, req_ids: list[str], states: list[RequestState], counts: list[int],
-                         hidden: torch.Tensor, row_starts: list[int]) -> list[PromptLogprobs]:
+                         hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens that follow this step's positions, for requests that asked.
         Every TP rank of the last stage takes part (the head gathers the vocabulary); the driver's are kept."""
         out = []
-        for req_id, state, n, row in zip(req_ids, states, counts, row_starts):
+        for req_id, state, n, row in zip(req_ids, states, counts, accumulate(counts, initial=0)):
             num_top = state.sampling.prompt_logprobs
             start = state.num_computed_tokens
             end = min(start + n, state.num_prompt_tokens - 1)  # position p predicts prompt token p + 1

@@ -133,3 +133,35 @@ def test_stop_reason_of_a_stop_token(core, tiny_model, hf_greedy):
     assert all(u.stop_reason is None for u in updates[:-1])
     length = run(core, {"l": SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)})["l"]
     assert length[-1].finish_reason == "length" and length[-1].stop_reason is None
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_prompt_logprobs_from_a_tp_or_pp_worker_group(tmp_path, tiny_model, hf_logits, tp, pp):
+    from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
+    from tests.engine.test_worker import make_group, spawn_group, stop
+
+    model_dir = tiny_model("llama_tied")
+    group = make_group(tmp_path, tp * pp)
+    procs = spawn_group(tmp_path, model_dir, tp, pp)
+    try:
+        group.wait_for_ready(timeout_s=120)
+        group.initialize_cache()
+        params = SamplingParams(temperature=0.0, prompt_logprobs=NUM_TOP)
+        blocks = list(range(1, 7))
+        chunks, start = [], 0
+        for step, n in enumerate((8, 8, 3)):
+            if step == 0:
+                new, cached = [NewRequest("p", PROMPT, len(PROMPT), params, blocks, 0)], []
+            else:
+                new, cached = [], [CachedRequest("p", start)]
+            out = group.execute(SchedulerOutput(step_id=step, new_requests=new, cached_requests=cached,
+                                                num_scheduled_tokens={"p": n}), timeout_s=60)
+            chunks += out.prompt_logprobs
+            start += n
+        group.close()
+        assert [p.wait(timeout=30) for p in procs] == [0] * (tp * pp)
+    finally:
+        stop(procs)
+    assert [(c.req_id, c.start) for c in chunks] == [("p", 1), ("p", 9), ("p", 17)]
+    check_against_transformers([e for c in chunks for e in c.logprobs],
+                               hf_logits(model_dir, PROMPT).log_softmax(-1), NUM_TOP)
