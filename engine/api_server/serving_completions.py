@@ -27,7 +27,8 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     request_id = new_request_id("cmpl")
     structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
     runners = serving.start(request_id, prompts, params, body)
-    echo = [prompt_texts[r.index // body.n] if body.echo else "" for r in runners]
+    # vLLM echoes no prompt text with return_token_ids (the prompt_token_ids stand for it), only its logprobs
+    echo = [prompt_texts[r.index // body.n] if body.echo and not body.return_token_ids else "" for r in runners]
     view = CompletionView(request_id, model, serving, body, echo, [prompts[r.index // body.n] for r in runners])
     num_prompt_tokens = sum(len(p) for p in prompts)
     try:
@@ -70,7 +71,7 @@ class CompletionView:
         self.request_id, self.model, self.serving, self.body, self.echo = request_id, model, serving, body, echo
         self.prompts = prompts  # each choice's prompt token ids
         self.is_first = [True] * len(echo)
-        self.text_len = [0] * len(echo)
+        self.next_offset = [0] * len(echo)  # where the next token's text starts, counted in the tokens' texts
         self.name = token_namer(serving.tokenizer, body.return_tokens_as_token_ids)
 
     def choice(self, r: ChoiceResult | ChoiceDelta) -> dict:
@@ -84,8 +85,9 @@ class CompletionView:
             if is_first and self.body.echo:  # the prompt's tokens lead, the first with no logprob
                 token_ids = prompt + token_ids
                 entries = [None, *(r.prompt_logprobs or [None] * (len(prompt) - 1)), *entries]
-            logprobs = completion_logprobs(self.name, token_ids, entries, self.text_len[r.index])
-        self.text_len[r.index] += len(prefix) + len(r.text)
+            logprobs = completion_logprobs(self.name, token_ids, entries, self.next_offset[r.index])
+            if logprobs["tokens"]:  # by the tokens reported, not the text: a stop string's text lags (vLLM's way)
+                self.next_offset[r.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return_ids = self.body.return_token_ids
         out = {"index": r.index, "text": prefix + r.text, "logprobs": logprobs, "finish_reason": r.finish_reason,
                "stop_reason": r.stop_reason, "prompt_token_ids": prompt if return_ids and is_first else None,

@@ -73,7 +73,8 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(client, reference, str
         token_logprobs, top = echoed.logprobs.token_logprobs, echoed.logprobs.top_logprobs
     assert text == PROMPT + plain.text
     assert tokens == [f"token_id:{t}" for t in ids] + plain.logprobs.tokens
-    assert token_logprobs[0] is None and top[0] is None and offsets[0] == 0
+    assert token_logprobs[0] is None and top[0] is None
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]  # streamed too, as vLLM
     for p in range(1, len(ids)):
         row = logprobs[p - 1]
         assert token_logprobs[p] == pytest.approx(float(row[ids[p]]), abs=TOLERANCE)
@@ -154,6 +155,10 @@ def test_return_token_ids_in_completions_streamed_or_not(client, reference):
         assert [t for c in mine for t in c.token_ids] == whole.choices[index].token_ids
     off = client.completions.create(prompt=PROMPT, max_tokens=2, **GREEDY).choices[0]
     assert off.token_ids is None and off.prompt_token_ids is None
+    # vLLM: with return_token_ids, echo gives the prompt's ids and logprobs but not its text
+    echoed = client.completions.create(echo=True, logprobs=0, **args).choices[0]
+    assert echoed.text == whole.choices[0].text and echoed.prompt_token_ids == ids
+    assert len(echoed.logprobs.tokens) == len(ids) + 10 and echoed.logprobs.token_logprobs[0] is None
 
 
 def test_return_token_ids_in_chat_streamed_or_not(client, server):
