@@ -165,3 +165,38 @@ def test_prompt_logprobs_from_a_tp_or_pp_worker_group(tmp_path, tiny_model, hf_l
     assert [(c.req_id, c.start) for c in chunks] == [("p", 1), ("p", 9), ("p", 17)]
     check_against_transformers([e for c in chunks for e in c.logprobs],
                                hf_logits(model_dir, PROMPT).log_softmax(-1), NUM_TOP)
+
+
+def test_the_scheduler_sends_prompt_logprobs_once_whole_across_chunks_and_a_lost_step():
+    from engine.core.scheduler import Scheduler
+    from engine.wire.scheduler_output import PromptLogprobs
+    from tests.engine.test_scheduler import FakeWorker
+
+    prompt = list(range(3, 13))
+    sched = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=4, eos_token_id=0))
+    worker = FakeWorker(32, 4)
+    sched.add(Request("r", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)))
+
+    def execute(out):
+        result = worker.execute(out)
+        starts = {r.req_id: r.num_computed_tokens for r in [*out.new_requests, *out.cached_requests]}
+        for req_id, n in out.num_scheduled_tokens.items():
+            start, end = starts[req_id], min(starts[req_id] + n, len(prompt) - 1)
+            if end > start:  # the logprob of prompt token t is -t: what arrives says where it came from
+                result.prompt_logprobs.append(PromptLogprobs(req_id, start + 1, [
+                    TokenLogprobs(-float(t), [], [], 1) for t in range(start + 1, end + 1)]))
+        return result
+
+    updates = []
+    for step in range(20):
+        out = sched.schedule()
+        if step == 1:  # the workers die during the second chunk: it is lost, and the prefill starts over
+            sched.preempt_all()
+            worker = FakeWorker(32, 4)
+            continue
+        updates += sched.update_from_output(out, execute(out))
+        if not sched.has_unfinished_requests():
+            break
+    assert [len(u.new_token_ids) for u in updates] == [1, 1, 1]
+    assert [e.logprob for e in updates[0].prompt_logprobs] == [-float(t) for t in range(1, len(prompt))]
+    assert updates[1].prompt_logprobs == [] and updates[2].prompt_logprobs == []
