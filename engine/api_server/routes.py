@@ -90,7 +90,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
         text, add_special = body.prompt, body.add_special_tokens
     tokens = await serving.tokenizer.encode_async(text, add_special_tokens=add_special)
     # through msgspec: FastAPI's own encoder walks a long list of ints one by one on the event loop
-    return json_response({"count": len(tokens), "max_model_len": max_model_len(serving), "tokens": tokens})
+    token_strs = serving.tokenizer.token_strs(tokens) if body.return_token_strs else None
+    return json_response({"count": len(tokens), "max_model_len": max_model_len(serving), "tokens": tokens,
+                          "token_strs": token_strs})
 
 
 @vllm_extras.post("/detokenize")
