@@ -64,3 +64,13 @@ def become(default_name: str) -> str:
     except ImportError:  # pragma: no cover - a declared dependency
         pass
     return name
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(0): the process unwinds through its `finally` blocks (sockets closed,
+    workers told, rings left) and exits 0, as a stop asked for, rather than dying by the signal."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(0)

@@ -144,11 +144,16 @@ class LocalDeployment:
 
     def start_core(self, dp: int) -> None:
         """Start (or replace) DP rank `dp`'s engine core and its worker."""
-        self.generation += 1
         for spec in self.plan().processes:
             if spec.dp == dp and spec.role == ENGINE_CORE:
                 self.spawn_spec(spec)
-            elif spec.dp == dp and spec.role == WORKER:  # what the supervisor adds, and one thread each
+        self.start_worker(dp)
+
+    def start_worker(self, dp: int) -> None:
+        """Start (or replace) DP rank `dp`'s worker: a new generation of its group."""
+        self.generation += 1
+        for spec in self.plan().processes:
+            if spec.dp == dp and spec.role == WORKER:  # what the supervisor adds, and one thread each
                 self.spawn_spec(spec, "--dist-init-method", addresses.dist_init_method(
                     str(self.run_dir), dp, self.generation), "--num-threads", "1")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from vsup.cpulist import parse_cpu_list
 from vsup.errors import UsageError
 
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"
@@ -138,13 +139,3 @@ def this_machine(device: str):
             break
     gpus = as_visible(nvml_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES")) if device == "cuda" else []
     return Machine(cpus, tuple(numa) if len(numa) > 1 else (), tuple(g.numa for g in gpus))
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """The kernel's cpulist format (`0-3,8,10-11`) as CPU numbers."""
-    cpus = []
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus

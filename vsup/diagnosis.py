@@ -4,7 +4,7 @@ out. Pure: functions over the processes of a ps snapshot, each with its last loa
 
 from __future__ import annotations
 
-from vsup.topology import API_SERVER, COORDINATOR, ENGINE_CORE, WORKER
+from vsup.roles import API_SERVER, COORDINATOR, ENGINE_CORE, WORKER
 
 REPORT_S = 2.0  # how often a process reports (engine/load.py)
 STALE_S = 3 * REPORT_S + 1.0  # a report older than this says nothing of now

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vsup.cpulist import cpu_list
 from vsup.errors import UsageError
 from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, ProcessSpec
 
@@ -167,14 +168,3 @@ def split(cores: list[int], n: int) -> list[list[int]]:
     if share < 1:
         return [[] for _ in range(n)]
     return [cores[i * share:(i + 1) * share] for i in range(n)]
-
-
-def cpu_list(cpus: Sequence[int]) -> str:
-    """`0-3,8,10-11`: the kernel's cpulist format."""
-    runs: list[list[int]] = []
-    for c in sorted(cpus):
-        if runs and c == runs[-1][-1] + 1:
-            runs[-1].append(c)
-        else:
-            runs.append([c])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vsup.topology import ENGINE_CORE, WORKER, Plan
+from vsup.roles import ENGINE_CORE, WORKER
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (`vsup ps` draws its tree without the planner's classes)
+    from vsup.topology import Plan
     from vsup.memory import MemoryPlan
     from vsup.model_shape import ModelShape
 
@@ -50,7 +51,7 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
             cpus = f"  cpus {placement[p.name].describe():<{cpus_width}}" if placement else ""
             lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}{cpus}  {p.title}")
         if many_nodes:
-            share = Plan(plan.config, tuple(processes))
+            share = type(plan)(plan.config, tuple(processes))
             lines.append(f"{where}: {share.formula}")
         lines.append("")
     lines.append(plan.formula)
@@ -61,7 +62,7 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
 
 def render_memory(shape: ModelShape, memory: MemoryPlan, max_model_len: int | None) -> str:
     """Per-worker weights and KV figures, and the token capacity of each DP rank."""
-    from vsup.memory import format_bytes
+    from vsup.sizes import format_bytes
 
     lines = [f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
              f"{shape.num_heads} heads ({shape.num_kv_heads} KV), vocab {shape.vocab_size}, {memory.dtype}"]

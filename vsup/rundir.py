@@ -7,9 +7,7 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
-import tempfile
 from pathlib import Path
 
 from vsup import addresses
@@ -127,6 +125,8 @@ class RunDir:
 
     def empty_metrics(self) -> None:
         """A new deployment's API servers count from 0: the files of the last one under this name go."""
+        import shutil
+
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
         self.metrics_dir.mkdir(mode=0o700)
         os.chmod(self.metrics_dir, 0o700)
@@ -151,6 +151,8 @@ def _probe_writable(path: Path, fix: str) -> None:
         existing = existing.parent
     what = "written" if existing == path else "created"
     try:
+        import tempfile
+
         os.rmdir(tempfile.mkdtemp(prefix=".vsup-probe-", dir=existing))
     except OSError as e:
         where = "" if existing == path else f" (in {existing})"

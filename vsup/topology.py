@@ -10,14 +10,7 @@ from dataclasses import dataclass, field
 
 from vsup import addresses
 from vsup.errors import UsageError
-
-API_SERVER = "api-server"
-ENGINE_CORE = "engine-core"
-WORKER = "worker"
-COORDINATOR = "coordinator"
-ROLES = (API_SERVER, ENGINE_CORE, WORKER, COORDINATOR)
-FRONT = "front"  # vsup's own HTTP front before a stock vLLM
-COUNTED = (FRONT, *ROLES)  # the roles of the count; others (vLLM's helpers) are counted apart
+from vsup.roles import API_SERVER, COORDINATOR, COUNTED, ENGINE_CORE, FRONT, ROLES, WORKER  # noqa: F401 (theirs too)
 # far beyond any deployment: a plan is built process by process, and `-tp 10000000000` must be a line, not a hang
 MAX_PROCESSES = 65536
 

@@ -35,6 +35,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of prompt tokens 1.., in the first delta
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         """Append one delta of this choice."""
@@ -56,6 +60,8 @@ class ChoiceResult:
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.error = delta.error or self.error
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        self.prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else delta.prompt_logprobs
 
 
 class ChoiceRunner:
@@ -72,6 +78,7 @@ class ChoiceRunner:
         self.metrics = metrics
         self.num_output_tokens = 0
         self.last_token_time: float | None = None
+        self.has_prompt_logprobs = stream.sampling.prompt_logprobs is None  # none asked: none to wait for
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +107,8 @@ class ChoiceRunner:
         delta = ChoiceDelta(self.index)
         self._on_tokens(sum(len(u.new_token_ids) for u in updates))
         for update in updates:
+            if not self.has_prompt_logprobs and update.new_token_ids:  # once (a resubmission brings them again)
+                delta.prompt_logprobs, self.has_prompt_logprobs = update.prompt_logprobs, True
             num_new = len(update.new_token_ids)
             for i, token_id in enumerate(update.new_token_ids):
                 self.num_output_tokens += 1
@@ -110,12 +119,13 @@ class ChoiceRunner:
                 text, stopped = self.stop.feed("" if hidden else self.detokenizer.add(token_id))
                 delta.text += text
                 if stopped:
-                    delta.finish_reason = "stop"
+                    delta.finish_reason, delta.stop_reason = "stop", self.stop.stopped_by
                     return delta
             if update.finish_reason is not None:
                 text, stopped = self.stop.feed(self.detokenizer.flush(), final=True)
                 delta.text += text
                 delta.finish_reason = "stop" if stopped else str(update.finish_reason)
+                delta.stop_reason = self.stop.stopped_by if stopped else update.stop_reason
                 delta.error = update.error
                 return delta
         return delta

@@ -63,3 +63,20 @@ def chat_logprobs(name, token_ids: Sequence[int], logprobs: Sequence[TokenLogpro
 
 def _chat_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def prompt_logprobs_list(token_text, prompt_token_ids: Sequence[int],
+                         logprobs: Sequence[TokenLogprobs]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (nothing predicts it), then for each
+    other a map from token id to {logprob, rank, decoded_token}: the prompt token first, then the top n."""
+    out: list[dict | None] = [None]
+    for token_id, entry in zip(prompt_token_ids[1:], logprobs):
+        ranked = {str(token_id): _prompt_entry(token_text(token_id), entry.logprob, entry.rank)}
+        for rank, (t, lp) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+            ranked.setdefault(str(t), _prompt_entry(token_text(t), lp, rank))
+        out.append(ranked)
+    return out
+
+
+def _prompt_entry(text: str, logprob: float, rank: int | None) -> dict:
+    return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": text}

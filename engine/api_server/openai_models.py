@@ -81,6 +81,8 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and its top n
+    return_token_ids: bool = False  # the choices' token_ids and the prompt_token_ids
     structured_outputs: StructuredOutputsField | None = None
     response_format: ResponseFormat | None = None
 
@@ -91,6 +93,8 @@ class SamplingFields(OpenAIRequest):
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise bad_request("prompt_logprobs are not available when stream=true", "prompt_logprobs")
         return self
 
     @property
@@ -109,6 +113,10 @@ class SamplingFields(OpenAIRequest):
     def requested_logprobs(self) -> int | None:
         """How many top logprobs per token the engine returns (None: no logprobs)."""
         raise NotImplementedError
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many top logprobs per prompt token the engine returns (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
         """The engine's SamplingParams for one prompt of this request; raises a 400 OpenAIError."""
@@ -140,7 +148,8 @@ class SamplingFields(OpenAIRequest):
                 min_p=0.0 if self.min_p is None else self.min_p,
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=self.requested_logprobs(), presence_penalty=self.presence_penalty,
+                logprobs=self.requested_logprobs(), prompt_logprobs=self.requested_prompt_logprobs(),
+                presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 structured_outputs=structured)
@@ -166,8 +175,6 @@ class CompletionRequest(SamplingFields):
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -175,6 +182,12 @@ class CompletionRequest(SamplingFields):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs lists the prompt tokens' logprobs too (vLLM: as many as logprobs asks)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ContentPart(OpenAIRequest):
@@ -231,6 +244,7 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # the tokens' own strings too (the vocabulary's spelling)
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -11,9 +11,11 @@ from engine.api_server.answer import json_response
 from engine.api_server.errors import OpenAIError, bad_request
 from engine.api_server.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest, check_token_ids)
+from engine.api_server.responses_models import ResponsesRequest
 from engine.api_server.serving import Serving
 from engine.api_server.serving_chat import create_chat_completion, render_messages
 from engine.api_server.serving_completions import create_completion
+from engine.api_server.serving_responses import create_response
 from engine.api_server.version import version
 
 openai = APIRouter()
@@ -53,6 +55,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await create_chat_completion(body, request, serving_of(request))
 
 
+@openai.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API: one assistant message for a conversation, whole or as its stream of events."""
+    return await create_response(body, request, serving_of(request))
+
+
 def model_card(request: Request, name: str) -> dict:
     return {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "vsup",
             "max_model_len": max_model_len(serving_of(request))}
@@ -82,7 +90,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
         text, add_special = body.prompt, body.add_special_tokens
     tokens = await serving.tokenizer.encode_async(text, add_special_tokens=add_special)
     # through msgspec: FastAPI's own encoder walks a long list of ints one by one on the event loop
-    return json_response({"count": len(tokens), "max_model_len": max_model_len(serving), "tokens": tokens})
+    token_strs = serving.tokenizer.token_strs(tokens) if body.return_token_strs else None
+    return json_response({"count": len(tokens), "max_model_len": max_model_len(serving), "tokens": tokens,
+                          "token_strs": token_strs})
 
 
 @vllm_extras.post("/detokenize")

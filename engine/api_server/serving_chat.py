@@ -10,7 +10,7 @@ from engine.api_server.answer import (ClientDisconnected, error_event, json_resp
                                      run_to_end, sse, streaming_response, usage)
 from engine.api_server.errors import bad_request
 from engine.api_server.generation import ChoiceDelta, ChoiceResult
-from engine.api_server.logprobs import chat_logprobs, token_namer
+from engine.api_server.logprobs import chat_logprobs, prompt_logprobs_list, token_namer
 from engine.api_server.openai_models import ChatCompletionRequest, ChatMessage, check_token_ids
 from engine.api_server.serving import Serving
 from engine.api_server.tokenizer import Tokenizer
@@ -30,7 +30,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     request_id = new_request_id("chatcmpl")
     structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
     runners = serving.start(request_id, [prompt], [params], body)
-    view = ChatView(request_id, model, serving.tokenizer, body)
+    view = ChatView(request_id, model, serving.tokenizer, body, prompt)
     try:
         if body.stream:
             first, deltas = await open_stream(request, runners)
@@ -41,7 +41,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return json_response({
         "id": request_id, "object": "chat.completion", "created": now(), "model": model,
         "choices": [view.choice(r) for r in results],
-        "usage": usage(len(prompt), sum(len(r.token_ids) for r in results))})
+        "usage": usage(len(prompt), sum(len(r.token_ids) for r in results)),
+        "prompt_logprobs": view.prompt_logprobs(results[0]),
+        "prompt_token_ids": prompt if body.return_token_ids else None})
 
 
 def render_messages(tokenizer: Tokenizer, body) -> str:
@@ -69,8 +71,9 @@ def _message(m: ChatMessage) -> dict:
 class ChatView:
     """Shapes choices and chunks of one chat completion."""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest):
-        self.request_id, self.model, self.tokenizer, self.body = request_id, model, tokenizer, body
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest,
+                 prompt: list[int]):
+        self.request_id, self.model, self.tokenizer, self.body, self.prompt = request_id, model, tokenizer, body, prompt
         self.include_usage = body.include_usage
         self.num_top = body.top_logprobs or 0
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
@@ -80,20 +83,38 @@ class ChatView:
             return None
         return {"content": chat_logprobs(self.name, r.token_ids, r.logprobs, self.num_top)}
 
+    def prompt_logprobs(self, r: ChoiceResult) -> list[dict | None] | None:
+        """vLLM's response-level prompt_logprobs (one prompt: the first choice's)."""
+        if r.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_list(self.tokenizer.token_text, self.prompt, r.prompt_logprobs)
+
     def choice(self, r: ChoiceResult) -> dict:
         return {"index": r.index, "message": {"role": "assistant", "content": r.text},
-                "logprobs": self.logprobs(r), "finish_reason": r.finish_reason}
+                "logprobs": self.logprobs(r), "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+                "token_ids": r.token_ids if self.body.return_token_ids else None}
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> bytes:
+    def chunk(self, choices: list[dict], usage_: dict | None = None, **extra) -> bytes:
         out = {"id": self.request_id, "object": "chat.completion.chunk", "created": now(), "model": self.model,
-               "choices": choices}
+               "choices": choices, **extra}
         if self.include_usage:
             out["usage"] = usage_
         return sse(out)
 
+    def role_chunk(self, index: int) -> bytes:
+        """OpenAI opens each choice with the role alone; vLLM's return_token_ids adds the prompt's ids."""
+        extra = {"prompt_token_ids": self.prompt} if self.body.return_token_ids else {}
+        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], **extra)
+
     def delta_choice(self, d: ChoiceDelta) -> dict:
         delta = {"content": d.text} if d.text or not d.finish_reason else {}
-        return {"index": d.index, "delta": delta, "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
+        out = {"index": d.index, "delta": delta, "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
+        if d.finish_reason:
+            out["stop_reason"] = d.stop_reason
+        if self.body.return_token_ids:
+            out["token_ids"] = d.token_ids
+        return out
 
 
 async def _events(view: ChatView, first: ChoiceDelta, deltas, num_prompt_tokens: int):
@@ -105,12 +126,11 @@ async def _events(view: ChatView, first: ChoiceDelta, deltas, num_prompt_tokens:
             if delta.finish_reason == "error":
                 yield error_event(delta)
                 break
-            if delta.index not in started:  # OpenAI opens each choice with the role alone
+            if delta.index not in started:
                 started.add(delta.index)
-                yield view.chunk([{"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}])
+                yield view.role_chunk(delta.index)
             num_tokens += len(delta.token_ids)
-            if delta.text or delta.finish_reason or view.body.logprobs:
+            if delta.text or delta.finish_reason or view.body.logprobs or view.body.return_token_ids:
                 yield view.chunk([view.delta_choice(delta)])  # not for tokens that only began a character
             delta = await anext(deltas, None)
         else:

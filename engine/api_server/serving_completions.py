@@ -10,7 +10,7 @@ from engine.api_server.answer import (ClientDisconnected, error_event, json_resp
                                      run_to_end, sse, streaming_response, usage)
 from engine.api_server.errors import bad_request
 from engine.api_server.generation import ChoiceDelta, ChoiceResult
-from engine.api_server.logprobs import completion_logprobs, token_namer
+from engine.api_server.logprobs import completion_logprobs, prompt_logprobs_list, token_namer
 from engine.api_server.openai_models import MAX_N, CompletionRequest, check_token_ids
 from engine.api_server.serving import Serving
 
@@ -27,8 +27,9 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     request_id = new_request_id("cmpl")
     structlog.contextvars.bind_contextvars(request_id=request_id)  # this request's task only
     runners = serving.start(request_id, prompts, params, body)
-    echo = [prompt_texts[r.index // body.n] if body.echo else "" for r in runners]
-    view = CompletionView(request_id, model, serving, body, echo)
+    # vLLM echoes no prompt text with return_token_ids (the prompt_token_ids stand for it), only its logprobs
+    echo = [prompt_texts[r.index // body.n] if body.echo and not body.return_token_ids else "" for r in runners]
+    view = CompletionView(request_id, model, serving, body, echo, [prompts[r.index // body.n] for r in runners])
     num_prompt_tokens = sum(len(p) for p in prompts)
     try:
         if body.stream:
@@ -65,19 +66,36 @@ async def _tokenize(body: CompletionRequest, serving: Serving) -> tuple[list[lis
 class CompletionView:
     """Shapes choices and chunks of one completion."""
 
-    def __init__(self, request_id: str, model: str, serving: Serving, body: CompletionRequest, echo: list[str]):
+    def __init__(self, request_id: str, model: str, serving: Serving, body: CompletionRequest, echo: list[str],
+                 prompts: list[list[int]]):
         self.request_id, self.model, self.serving, self.body, self.echo = request_id, model, serving, body, echo
-        self.text_len = [0] * len(echo)
+        self.prompts = prompts  # each choice's prompt token ids
+        self.is_first = [True] * len(echo)
+        self.next_offset = [0] * len(echo)  # where the next token's text starts, counted in the tokens' texts
         self.name = token_namer(serving.tokenizer, body.return_tokens_as_token_ids)
 
     def choice(self, r: ChoiceResult | ChoiceDelta) -> dict:
-        prefix = self.echo[r.index]
-        self.echo[r.index] = ""  # echoed once, before the first text
+        """A whole choice, or a streamed one's chunk; the first of a choice echoes its prompt (`echo`)."""
+        is_first, self.is_first[r.index] = self.is_first[r.index], False
+        prefix = self.echo[r.index] if is_first else ""
+        prompt = self.prompts[r.index]
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = completion_logprobs(self.name, r.token_ids, r.logprobs, self.text_len[r.index] + len(prefix))
-        self.text_len[r.index] += len(prefix) + len(r.text)
-        return {"index": r.index, "text": prefix + r.text, "logprobs": logprobs, "finish_reason": r.finish_reason}
+            token_ids, entries = r.token_ids, r.logprobs
+            if is_first and self.body.echo:  # the prompt's tokens lead, the first with no logprob
+                token_ids = prompt + token_ids
+                entries = [None, *(r.prompt_logprobs or [None] * (len(prompt) - 1)), *entries]
+            logprobs = completion_logprobs(self.name, token_ids, entries, self.next_offset[r.index])
+            if logprobs["tokens"]:  # by the tokens reported, not the text: a stop string's text lags (vLLM's way)
+                self.next_offset[r.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return_ids = self.body.return_token_ids
+        out = {"index": r.index, "text": prefix + r.text, "logprobs": logprobs, "finish_reason": r.finish_reason,
+               "stop_reason": r.stop_reason, "prompt_token_ids": prompt if return_ids and is_first else None,
+               "token_ids": r.token_ids if return_ids else None}
+        if isinstance(r, ChoiceResult):
+            out["prompt_logprobs"] = (prompt_logprobs_list(self.serving.tokenizer.token_text, prompt, r.prompt_logprobs)
+                                      if r.prompt_logprobs is not None else None)
+        return out
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         out = {"id": self.request_id, "object": "text_completion", "created": now(), "model": self.model,
@@ -96,7 +114,8 @@ async def _events(view: CompletionView, first: ChoiceDelta, deltas, num_prompt_t
                 yield error_event(delta)
                 break
             num_tokens += len(delta.token_ids)
-            if delta.text or delta.finish_reason or view.body.logprobs is not None or view.echo[delta.index]:
+            if (delta.text or delta.finish_reason or view.body.logprobs is not None or view.body.return_token_ids
+                    or view.is_first[delta.index] and view.body.echo):
                 yield sse(view.chunk([view.choice(delta)]))  # not for tokens that only began a character
             delta = await anext(deltas, None)
         else:

@@ -95,6 +95,10 @@ class Tokenizer:
         """One token as text, for logprobs (a partial character shows as U+FFFD)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own spelling of each token (transformers' convert_ids_to_tokens)."""
+        return [self.tokenizer.id_to_token(t) or "" for t in token_ids]
+
     # chat
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -24,7 +24,7 @@ from engine.args import add_parallel_sizes, role_parser
 from engine.coordinator.waves import WaveBarrier
 from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
-from engine.process import become
+from engine.process import become, exit_on_sigterm
 from engine.wire.protocol import CoreLoad, LoadStats, WaveReport, encoder, to_coordinator
 
 log = structlog.get_logger("coordinator")
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _unknown = p.parse_known_args(argv)
     become("coordinator")
     configure("coordinator")
+    exit_on_sigterm()
     coordinator = Coordinator(args.input_address, args.output_address, args.data_parallel_size,
                               wave_address=args.wave_address if args.dp_lockstep else None)
     log.info("ready", ranks=args.data_parallel_size, lockstep=coordinator.barrier is not None,

@@ -188,8 +188,9 @@ class BlockManager:
         return hashes
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached prefix, always leaving the last token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix, always leaving the last token to compute. None for a
+        request that wants prompt logprobs: its prefill computes every position (as vLLM does)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

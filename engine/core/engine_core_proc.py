@@ -96,6 +96,7 @@ class EngineCoreProc:
         self.core: EngineCore | None = None
         self.group: WorkerGroup | None = None
         self.lost_at: float | None = None
+        self.last_heartbeat = 0.0
 
     # lifecycle
 
@@ -119,13 +120,12 @@ class EngineCoreProc:
         return start_worker_group(a.worker_address, a.tensor_parallel_size * a.pipeline_parallel_size, timeout_s,
                                   ring_prefix=a.ring_prefix, wakeup_address=a.wakeup_address,
                                   remote_address=a.ring_remote_address, ctx=self.ctx, interrupt=self.control,
-                                  on_interrupt=self.on_control)
+                                  on_interrupt=self.on_control, on_wait=self.heartbeat)
 
     def loop(self) -> None:
         poller = zmq.Poller()
         for sock in (self.control, *self.clients, *([self.waves] if self.waves is not None else [])):
             poller.register(sock, zmq.POLLIN)
-        last_heartbeat = time.monotonic()
         while True:
             if self.waves is not None:  # lockstep: step only on the coordinator's go
                 busy = self.core.executor is not None and self.follower.go is not None
@@ -160,11 +160,18 @@ class EngineCoreProc:
             self.measure()
             if self.core.draining:
                 self.say_drained()
-            heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
-            self.report_load(force=heartbeat)
-            if heartbeat:
-                self.say_ready()
-                last_heartbeat = time.monotonic()
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Load to the coordinator when it changed, and Ready every HEARTBEAT_S: also while the core
+        waits for a new worker group, which can take longer than the API servers' heartbeat timeout
+        (they would move its requests away, to a rank perhaps worse off)."""
+        if self.core is None:  # starting: not ready yet
+            return
+        due = time.monotonic() - self.last_heartbeat >= HEARTBEAT_S
+        self.report_load(force=due)
+        if due:
+            self.say_ready()
 
     # --dp-lockstep: the waves (engine/coordinator/waves.py)
 
@@ -319,6 +326,7 @@ class EngineCoreProc:
                        num_blocks=self.core.config.num_blocks, block_size=self.core.config.block_size,
                        fingerprint_hash=self.fingerprint_hash, draining=self.core.draining, pid=os.getpid(),
                        node=socket.gethostname()))
+        self.last_heartbeat = time.monotonic()
 
     # losing and regaining the worker group
 
@@ -391,20 +399,14 @@ def pending(sock: zmq.Socket, decoder: Decoder, sender: str):
             yield msg
 
 
-def _exit(signum, frame):
-    raise SystemExit(0)  # unwinds through close(): workers are told, sockets closed
-
-
 def main(argv: list[str] | None = None) -> int:
-    import signal
-
     from engine.log import configure
-    from engine.process import become
+    from engine.process import become, exit_on_sigterm
 
     args = parse_args(argv)
     become(f"engine-core dp{args.dp_rank}")
     configure("engine-core", dp=args.dp_rank)
-    signal.signal(signal.SIGTERM, _exit)
+    exit_on_sigterm()  # unwinds through close(): workers are told, sockets closed
     proc = EngineCoreProc(args)
     failed = True
     try:

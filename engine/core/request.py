@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from engine.wire.protocol import FinishReason
 from engine.wire.sampling_params import SamplingParams
+from engine.wire.scheduler_output import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +46,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []  # of prompt tokens 1.. so far, until sent
+        self.is_prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +64,25 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not had them: its prefill must compute every position."""
+        return self.sampling.prompt_logprobs is not None and not self.is_prompt_logprobs_sent
+
+    def add_prompt_logprobs(self, start: int, logprobs: Sequence[TokenLogprobs]) -> None:
+        """Keep a prefill chunk's prompt logprobs (those of prompt tokens start..); a recomputed
+        chunk (after a preemption) brings what is already kept, and only the rest is taken."""
+        have = len(self.prompt_logprobs) + 1
+        if start <= have:
+            self.prompt_logprobs += logprobs[have - start:]
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The prompt logprobs for the request's first update, once; [] after that or if never asked."""
+        if not self.needs_prompt_logprobs:
+            return []
+        taken, self.prompt_logprobs, self.is_prompt_logprobs_sent = self.prompt_logprobs, [], True
+        return taken
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its KV is computed when the request is next scheduled."""
@@ -94,3 +116,11 @@ def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: i
     if request.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def stop_token_of(request: Request, eos_token_ids: frozenset[int]) -> int | None:
+    """The stop token id that ended `request` ("stop" on its newest token), None for EOS (vLLM's stop_reason)."""
+    last, sampling = request.token_ids[-1], request.sampling
+    if not sampling.ignore_eos and last in eos_token_ids:
+        return None
+    return last if last in sampling.stop_token_ids else None

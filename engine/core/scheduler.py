@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import msgspec
 
 from engine.core.block_manager import BlockManager
-from engine.core.request import Request, RequestStatus, check_stop
+from engine.core.request import Request, RequestStatus, check_stop, stop_token_of
 from engine.core.scheduler_config import SchedulerConfig
 from engine.structured.compiler import GrammarError
 from engine.structured.manager import StructuredOutputManager
@@ -182,6 +182,7 @@ class Scheduler:
         self._inflight_step_ids.discard(scheduler_output.step_id)
         out = model_runner_output
         index = {req_id: i for i, req_id in enumerate(out.req_ids)}
+        prompt_logprobs = {chunk.req_id: chunk for chunk in out.prompt_logprobs}
         updates, self._failed = self._failed, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -189,6 +190,8 @@ class Scheduler:
                     or request.inflight_step != scheduler_output.step_id):
                 continue  # aborted, or preempted and scheduled anew, while the step ran
             self.block_manager.cache_full_blocks(request)
+            if req_id in prompt_logprobs and request.needs_prompt_logprobs:
+                request.add_prompt_logprobs(prompt_logprobs[req_id].start, prompt_logprobs[req_id].logprobs)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
             i = index.get(req_id)
@@ -205,10 +208,11 @@ class Scheduler:
                 continue
             if accepted and self.structured.is_terminated(req_id):
                 reason = FinishReason.STOP
+            stop_token = stop_token_of(request, self.eos_token_ids) if reason is FinishReason.STOP else None
             if reason is not None:
                 self._finish(request, reason)
-            updates.append(RequestUpdate(req_id, [token], reason,
-                                         [logprobs] if logprobs is not None else []))
+            updates.append(RequestUpdate(req_id, [token], reason, [logprobs] if logprobs is not None else [],
+                                         stop_reason=stop_token, prompt_logprobs=request.take_prompt_logprobs()))
         self.running = [r for r in self.running if not r.is_finished]
         return updates
 

@@ -8,6 +8,8 @@ InprocConfig, which spells them the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
@@ -18,13 +20,15 @@ from engine.structured.compiler import GrammarCompiler
 from engine.structured.manager import StructuredOutputManager
 
 
-def start_worker_group(address: str, world_size: int, timeout_s: float, **options) -> WorkerGroup:
-    """Bind the workers' socket, wait for all their READYs, have them allocate the cache; on any
-    failure the group is closed (its workers are not told to stop: they may rejoin a new one)."""
+def start_worker_group(address: str, world_size: int, timeout_s: float, on_wait: Callable[[], None] | None = None,
+                       **options) -> WorkerGroup:
+    """Bind the workers' socket, wait for all their READYs, have them allocate the cache, running
+    `on_wait` every half second meanwhile; on any failure the group is closed (its workers are not
+    told to stop: they may rejoin a new one)."""
     group = WorkerGroup(address, world_size, **options)
     try:
-        group.wait_for_ready(timeout_s)
-        group.initialize_cache()
+        group.wait_for_ready(timeout_s, on_wait)
+        group.initialize_cache(on_wait=on_wait)
     except BaseException:
         group.close(shutdown_workers=False)
         raise

@@ -57,7 +57,8 @@ class WorkerGroup:
         self.remote: TcpBroadcastWriter | None = None
         self.monitor: zmq.Socket | None = None  # a group spanning nodes: its workers' connections dropping
 
-    def _recv(self, timeout_s: float | None) -> tuple[bytes, object]:
+    def _recv(self, timeout_s: float | None, on_wait: Callable[[], None] | None = None) -> tuple[bytes, object]:
+        """The next message of a worker; `on_wait` runs every CHECK_S while none comes."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         if self.interrupt is not None:
@@ -73,6 +74,8 @@ class WorkerGroup:
                     raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
                 self._check_alive()
                 self.check_connections()
+                if on_wait is not None:
+                    on_wait()
                 continue
             frames = self.sock.recv_multipart()
             if len(frames) != 2:  # a worker sends one frame; the ROUTER puts the sender's identity first
@@ -135,11 +138,12 @@ class WorkerGroup:
             self.monitor.recv_multipart()
             raise WorkerGroupFailed("a worker's connection dropped (its process or its node is gone)")
 
-    def wait_for_ready(self, timeout_s: float = 300.0) -> list[WorkerReady]:
-        """Block until all ranks said READY; raises WorkerGroupFailed on a failure or timeout."""
+    def wait_for_ready(self, timeout_s: float = 300.0, on_wait: Callable[[], None] | None = None) -> list[WorkerReady]:
+        """Block until all ranks said READY, running `on_wait` every CHECK_S meanwhile; raises
+        WorkerGroupFailed on a failure or timeout."""
         deadline = time.monotonic() + timeout_s
         while len(self.workers) < self.world_size:
-            identity, msg = self._recv(max(0.0, deadline - time.monotonic()))
+            identity, msg = self._recv(max(0.0, deadline - time.monotonic()), on_wait)
             if isinstance(msg, WorkerReady):
                 self.workers[identity] = msg
                 log.info("worker ready", worker=msg.name, num_blocks=msg.num_blocks, weight_bytes=msg.weight_bytes)
@@ -150,7 +154,8 @@ class WorkerGroup:
         """Blocks every worker of the group can hold: the smallest budget wins."""
         return min(w.num_blocks for w in self.workers.values())
 
-    def initialize_cache(self, num_blocks: int | None = None, timeout_s: float = 120.0) -> int:
+    def initialize_cache(self, num_blocks: int | None = None, timeout_s: float = 120.0,
+                         on_wait: Callable[[], None] | None = None) -> int:
         """Have every worker allocate the same number of blocks and attach to a new ring; returns the blocks."""
         num_blocks = num_blocks or self.num_blocks
         num_remote = sum(w.node_rank != 0 for w in self.workers.values())
@@ -164,7 +169,7 @@ class WorkerGroup:
             self.sock.send_multipart([identity, payload])
         done = 0
         while done < self.world_size:
-            _, msg = self._recv(timeout_s)
+            _, msg = self._recv(timeout_s, on_wait)
             done += isinstance(msg, CacheReady)
         self.ring.wait_for_readers(timeout_s)
         if self.remote is not None:

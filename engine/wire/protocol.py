@@ -34,6 +34,9 @@ class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
 
     `new_token_ids` keep a final stop or EOS token: the API server decides
     whether to show it. `error` says why when finish_reason is "error".
+    `stop_reason` is the stop token id that ended it (not EOS: vLLM's
+    meaning). `prompt_logprobs` come once, with the first new token: those
+    of prompt tokens 1.. (the first has none).
     """
 
     req_id: str
@@ -41,6 +44,8 @@ class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs | None] = []
     error: str | None = None
+    stop_reason: int | None = None
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -24,7 +24,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     off; seed gives the request its own random stream (same seed, same
     tokens, whatever else is in the batch); max_tokens None means up to the
     context length; logprobs None returns none, n returns the sampled
-    token's logprob plus the n most likely; penalties 0 (1 for
+    token's logprob plus the n most likely; prompt_logprobs does the same
+    for every prompt token after the first (raw model logprobs); penalties 0 (1 for
     repetition_penalty) are off. `structured_outputs` constrains the output
     to a grammar (the engine core's business: the workers only see its
     bitmask). Call `validate()` on user input.
@@ -43,6 +44,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
 
     @property
@@ -68,6 +70,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                list(self.stop_token_ids), "must all be >= 0")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
+               "must be >= 0 or null")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs,
                "must be >= 0 or null")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -58,21 +58,34 @@ class SchedulerOutput(msgspec.Struct, tag="step", omit_defaults=True):
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """The sampled token's logprob and the top-n alternatives."""
+    """The sampled (or prompt) token's logprob and the top-n alternatives; `rank` is the token's
+    rank in its distribution (1: the most likely), where known."""
 
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens `start`, `start + 1`, ... of one request (start >= 1: the first
+    prompt token has none), from the prefill chunk that computed the positions before them."""
+
+    req_id: str
+    start: int
+    logprobs: list[TokenLogprobs]
 
 
 class ModelRunnerOutput(msgspec.Struct, tag="output", omit_defaults=True):
     """Sampled tokens of one step, from the sampling rank (last PP stage, TP rank 0).
 
     Only requests that reached the end of their known tokens sample; a
-    prefill chunk that stops short returns nothing for its request.
+    prefill chunk that stops short returns nothing for its request, but
+    the prompt logprobs of its positions when the request asked for them.
     """
 
     step_id: int
     req_ids: list[str] = []
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: list[PromptLogprobs] = []

@@ -7,6 +7,7 @@ then CachedRequest deltas), so every TP and PP rank builds the same batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -14,9 +15,11 @@ from engine.distributed import ParallelGroups
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling.grammar_bitmask import bitmask_from_bytes
+from engine.sampling.prompt_logprobs import prompt_logprobs
 from engine.sampling.sampler import Sampler, SamplingMetadata, exponential_noise, make_generator
 from engine.wire.sampling_params import SamplingParams
-from engine.wire.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.wire.scheduler_output import (GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SchedulerOutput,
+                                          TokenLogprobs)
 
 
 @dataclass
@@ -111,11 +114,14 @@ class ModelRunner:
             intermediate = self.groups.recv_intermediate(len(input_ids), self.model.config.hidden_size,
                                                          self.model.dtype)
         hidden = self.model(input_ids_t, positions_t, self.kv_caches, metadata, intermediate)
-        for state, n in zip(states, counts):
-            state.num_computed_tokens += n
         if not self.groups.is_last_stage:
+            for state, n in zip(states, counts):
+                state.num_computed_tokens += n
             self.groups.send_intermediate(hidden)
             return None
+        prompt = self._prompt_logprobs(req_ids, states, counts, hidden)
+        for state, n in zip(states, counts):
+            state.num_computed_tokens += n
 
         # only rows that reached the end of their known tokens sample
         sampling = [i for i, s in enumerate(states) if s.num_computed_tokens == len(s.token_ids)]
@@ -124,9 +130,28 @@ class ModelRunner:
         if not self.groups.is_driver:
             return None
         if not sampling:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        return self._sample(scheduler_output.step_id, [req_ids[i] for i in sampling], [states[i] for i in sampling],
-                            logits, scheduler_output.grammar_bitmask)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id, prompt_logprobs=prompt)
+        output = self._sample(scheduler_output.step_id, [req_ids[i] for i in sampling],
+                              [states[i] for i in sampling], logits, scheduler_output.grammar_bitmask)
+        output.prompt_logprobs = prompt
+        return output
+
+    def _prompt_logprobs(self, req_ids: list[str], states: list[RequestState], counts: list[int],
+                         hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Logprobs of the prompt tokens that follow this step's positions, for requests that asked.
+        Every TP rank of the last stage takes part (the head gathers the vocabulary); the driver's are kept."""
+        out = []
+        for req_id, state, n, row in zip(req_ids, states, counts, accumulate(counts, initial=0)):
+            num_top = state.sampling.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+            if num_top is None or end <= start:
+                continue
+            rows = hidden[row:row + end - start]
+            logprobs = prompt_logprobs(rows, state.token_ids[start + 1:end + 1], num_top, self.model.compute_logits)
+            if self.groups.is_driver:
+                out.append(PromptLogprobs(req_id, start + 1, logprobs))
+        return out
 
     def _dummy_forward(self) -> None:
         """One token (id 0, position 0) through this stage, as a real step goes: from the previous

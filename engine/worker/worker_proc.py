@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 
 import msgspec
@@ -26,7 +25,7 @@ from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
-from engine.process import become
+from engine.process import become, exit_on_sigterm
 from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
 from engine.ring.tcp_broadcast import TcpBroadcastReader
 from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.connect(sock, args.core_address)
     worker = Worker(config)
     torch.manual_seed(args.seed)
-    signal.signal(signal.SIGTERM, _exit)  # stop cleanly: leave the ring, the socket and the process group
+    exit_on_sigterm()  # stop cleanly: leave the ring, the socket and the process group
     epoch = ""
     try:
         log.info("starting", device=args.device, threads=threads if args.device == "cpu" else None,
@@ -104,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         worker.shutdown()
         sock.close()
         ctx.term()
-
-
-def _exit(signum, frame):
-    raise SystemExit(0)
 
 
 def join(sock: zmq.Socket, hello: JoinGroup, log) -> str | None:

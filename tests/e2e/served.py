@@ -158,8 +158,10 @@ class Streams:
     has streamed text, injects its fault while they run, then reads what they made."""
 
     def __init__(self, client, prompts, n=24):
+        self.n = n
         self.chunks: list[list[str]] = [[] for _ in prompts]
         self.finished = [False] * len(prompts)
+        self.ends: list[tuple[str | None, int | None]] = [(None, None)] * len(prompts)  # finish_reason, tokens
         self.errors: dict[int, str] = {}
         self.threads = [threading.Thread(target=self._run, args=(client, i, prompt, n), daemon=True)
                         for i, prompt in enumerate(prompts)]
@@ -169,9 +171,14 @@ class Streams:
     def _run(self, client, i, prompt, n):
         try:
             for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True}):
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}):
                 if chunk.choices and chunk.choices[0].text:
                     self.chunks[i].append(chunk.choices[0].text)
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.ends[i] = (chunk.choices[0].finish_reason, self.ends[i][1])
+                if chunk.usage:
+                    self.ends[i] = (self.ends[i][0], chunk.usage.completion_tokens)
         except Exception as e:  # the test reports it
             self.errors[i] = f"{type(e).__name__}: {e}"
         finally:
@@ -193,7 +200,10 @@ class Streams:
         assert all(self.finished), f"streams still running after {timeout} s: {self.running()}"
 
     def texts(self, timeout=120) -> list[str]:
-        """Each stream's whole text, once all ended; AssertionError naming any that failed."""
+        """Each stream's whole text, once all ended; AssertionError naming any that failed, or that ended
+        short of its n tokens without an error (say, a resubmission gone wrong)."""
         self.join(timeout)
         assert not self.errors, self.errors
+        short = {i: end for i, end in enumerate(self.ends) if end != ("length", self.n)}
+        assert not short, f"streams that ended short of {self.n} tokens (finish_reason, tokens): {short}"
         return ["".join(chunks) for chunks in self.chunks]

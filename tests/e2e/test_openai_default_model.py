@@ -56,6 +56,27 @@ def test_capital_of_france_streamed_and_not(multiprocess):
     assert chat_stream(client, FRANCE, temperature=0, max_tokens=30) == "The capital of France is Paris."
 
 
+def test_eos_has_no_stop_reason_and_echoed_prompt_logprobs_match_transformers(multiprocess, model_dir, hf_logits):
+    server, client = multiprocess
+    answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30,
+                                            extra_body={"return_token_ids": True})
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].stop_reason is None  # EOS: vLLM's null
+    assert len(answer.choices[0].token_ids) == answer.usage.completion_tokens
+    assert answer.prompt_token_ids == httpx.post(f"{server.url}/tokenize", json={"messages": FRANCE}).json()["tokens"]
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    reference = hf_logits(model_dir, ids).log_softmax(-1)
+    plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    echoed = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                       echo=True).choices[0]
+    assert echoed.text == prompt + plain.choices[0].text
+    assert "".join(echoed.logprobs.tokens) == echoed.text and echoed.logprobs.token_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert echoed.logprobs.token_logprobs[p] == pytest.approx(float(reference[p - 1, ids[p]]), abs=1e-3)
+    assert echoed.logprobs.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                                      abs=1e-5)
+
+
 def test_multibyte_output_streams_exactly_as_it_completes(multiprocess):
     _, client = multiprocess
     whole = client.chat.completions.create(model="smollm2", messages=JAPANESE, temperature=0, max_tokens=24)

@@ -150,7 +150,7 @@ def test_each_process_runs_on_the_cpus_plan_gives_it_and_ps_shows_them(serve):
     (the API server at nice 5) and gives the first to the worker, every thread of it; --cpu-reserve 0
     gives the worker both. ps shows
     each process's CPU set, as plan predicted it on the same CPUs."""
-    from vsup.placement import cpu_list
+    from vsup.cpulist import cpu_list
 
     first, second = sorted(os.sched_getaffinity(0))[:2]
     both = cpu_list([first, second])

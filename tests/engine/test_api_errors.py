@@ -114,6 +114,9 @@ def test_401_without_the_api_key_on_v1_only(server):
     (dict(prompt=[5, 300]), "prompt"),
     (dict(prompt=[]), "prompt"),
     (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),  # vLLM too, past its default max_logprobs 20
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
 ])
 def test_400_for_invalid_completion_parameters(client, kwargs, param):
     args = dict(model="tiny", prompt="hi", max_tokens=4) | kwargs
@@ -156,7 +159,7 @@ MALFORMED = [b"", b"{", b"[]", b'"text"', b"null", b'{"prompt": null}', b'{"prom
              b'{"prompt": "x", "seed": 1180591620717411303424}', b'{"prompt": "x", "n": 1000000000}',
              b'{"prompt": "x", "stop": [""], "max_tokens": 2, "best_of": 3}', b'{"prompt": [[1, 2], [-1]]}',
              b'{"prompt": "x", "stream": true, "max_tokens": 0}', b'{"prompt": "x", "stream_options": {}}',
-             b'{"messages": [{"role": "user"}], "max_tokens": "many"}', b'{"prompt": "x", "echo": true, "logprobs": 1}',
+             b'{"messages": [{"role": "user"}], "max_tokens": "many"}', b'{"prompt": "x", "stream": true, "prompt_logprobs": 1}',
              b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}']
 
 

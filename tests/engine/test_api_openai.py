@@ -168,3 +168,48 @@ def test_metrics_count_what_was_served(server, client):
     assert values['vsup_num_requests_running{dp_rank="0"}'] == 0
     assert values['vsup_kv_cache_usage_perc{dp_rank="0"}'] == 0
     assert values['vsup_engine_up{dp_rank="0"}'] == 1 and values['vsup_restarts_total{role="worker"}'] == 0
+
+
+# /v1/responses
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_responses_give_the_chat_completions_text_whole_and_streamed(client):
+    chat = client.chat.completions.create(messages=CONVERSATION, max_tokens=12, **GREEDY)
+    whole = client.responses.create(model="tiny", instructions="Be brief.", temperature=0.0, max_output_tokens=12,
+                                    input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                                    extra_body={"ignore_eos": True})
+    assert whole.id.startswith("resp_") and whole.output_text == chat.choices[0].message.content
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert [(o.type, o.role) for o in whole.output] == [("message", "assistant")]
+
+    with client.responses.stream(model="tiny", instructions="Be brief.", input="Hi", temperature=0.0,
+                                 max_output_tokens=12, extra_body={"ignore_eos": True}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 12
+    assert final.status == "incomplete"
+
+
+def test_a_tool_conversation_goes_through_the_chat_template_and_unserved_fields_are_400(client):
+    done = client.responses.create(model="tiny", max_output_tokens=4, temperature=0.0, input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}], extra_body={"ignore_eos": True})
+    assert done.usage.output_tokens == 4
+    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          "input"),
+                         ({"input": [{"role": "robot", "content": "x"}]}, "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**{"model": "tiny", "input": "x", **extra})
+        assert e.value.body["param"] == param, e.value.body

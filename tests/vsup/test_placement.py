@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsup.errors import UsageError
-from vsup.placement import API_SERVER_NICE, Machine, Placement, cpu_list, default_reserve, numa_split, place, split
+from vsup.cpulist import cpu_list
+from vsup.placement import API_SERVER_NICE, Machine, Placement, default_reserve, numa_split, place, split
 from vsup.topology import ParallelConfig, plan
 
 

@@ -1,6 +1,7 @@
 """`vsup plan` as an operator runs it: a real subprocess, its stdout, stderr and exit status."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -150,6 +151,27 @@ def test_plan_imports_no_torch_transformers_engine_or_other_commands(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY [] True" in result.stderr, result.stderr
     assert json.loads(result.stdout)["total"] >= 3
+
+
+def test_ps_of_a_stopped_deployment_imports_only_what_it_draws(tmp_path):
+    """`vsup ps` is typed again and again (issue 20: at most 1.3x `import typer`): for a deployment whose
+    supervisor is gone it reads state.json and draws, without the planner's classes, the socket module
+    (no control socket to ask), tempfile or the engine."""
+    (tmp_path / "gone").mkdir(mode=0o700)
+    (tmp_path / "gone" / "state.json").write_text(json.dumps(
+        {"supervisor": {"name": "gone", "state": "stopped", "model": "m", "url": "u", "pid": 1, "started_at": 0},
+         "processes": [{"name": "api-server a0", "role": "api-server", "a": 0, "dp": None, "pp": None, "tp": None,
+                        "node": 0, "device": None, "title": "vsup: api-server a0", "unit": "api-server a0",
+                        "pid": None, "state": "stopped", "restarts": 0, "last_exit": 0, "started_at": 0}]}))
+    code = ("import sys; sys.argv = ['vsup', 'ps', '--name', 'gone']\n"
+            "from vsup.cli.main import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in sys.modules if m in ('vsup.topology', 'vsup.memory', 'dataclasses', 'socket',\n"
+            "         'tempfile', 'torch') or m.startswith('engine')]\n"
+            "print('HEAVY', heavy, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "VSUP_HOME": str(tmp_path)})
+    assert "HEAVY []" in result.stderr and "api-server a0" in result.stdout, (result.stdout, result.stderr)
 
 
 def test_every_command_is_found_under_its_own_name():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -41,6 +40,8 @@ def report(command: str, error: BaseException, log_dir: Path | None = None) -> s
 def save(text: str, log_dir: Path | None) -> str | None:
     """The path of a new file holding `text`: in `log_dir` when it takes one, else in the temp dir; None when
     neither does."""
+    import tempfile  # (only on a crash: every command imports this module)
+
     for directory, prefix in ((log_dir, "crash-"), (None, "vsup-")):
         if prefix == "crash-" and log_dir is None:
             continue

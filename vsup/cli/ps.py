@@ -119,7 +119,7 @@ def render(state: dict, flat: bool = False) -> str:
     """The tree (as `plan` draws it) with each process's live columns, then the diagnoses; `flat`: one
     table row per process, without the load and device memory."""
     from vsup.diagnosis import device_memory, summary
-    from vsup.memory import format_bytes
+    from vsup.sizes import format_bytes
     from vsup.printer import tree_rows
 
     sup = state["supervisor"]
@@ -154,8 +154,8 @@ LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "CPUS
 
 
 def _live(p: dict, live: bool, now: float) -> tuple[str, ...]:
-    from vsup.memory import format_bytes
-    from vsup.placement import cpu_list
+    from vsup.sizes import format_bytes
+    from vsup.cpulist import cpu_list
 
     alive = p.get("pid") is not None and live
     return (str(p.get("pid") or "-"), p["state"],

@@ -14,7 +14,8 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
     does not fit. A stock vLLM runs more architectures than our engine: for it, any model whose shape reads
     like a Llama's. `vllm_args`: what follows `--` for it."""
     from vsup.devices import gpu_memory_bytes
-    from vsup.memory import memory_plan, parse_size
+    from vsup.memory import memory_plan
+    from vsup.sizes import parse_size
     from vsup.model_dir import check_model_dir
     from vsup.model_shape import read_model_shape
 

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
-import socket
+import os
 
 
 def request(path: str, payload: dict, timeout: float = 5.0) -> dict:
     """Ask the supervisor; raises OSError when none listens there."""
+    if not os.path.exists(path):  # none has run, or it is gone: `vsup ps` then spares the socket module
+        raise FileNotFoundError(f"no control socket at {path}")
+    import socket
+
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)

@@ -1,0 +1,58 @@
+"""A worker killed with -9 and started again later than the API servers' heartbeat timeout: its engine
+core, waiting for the new worker group, still says it lives, so its requests stay there (rather than
+moving to a rank that may be worse off) and end with the tokens of an uninterrupted run."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.e2e.served import Streams, complete_all, mid_stream
+from tests.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.polling import wait_for
+
+HEARTBEAT_TIMEOUT_S = 2.0
+PROMPTS = [f"the {i} way" for i in range(6)]
+LONG = 300
+
+
+def test_a_core_waiting_for_its_workers_keeps_its_requests(tiny_model):
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
+    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
+    d = LocalDeployment(model, run_dir, data_parallel_size=2, served_model_name="tiny", max_model_len=512,
+                        api_args=("--engine-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)))
+    try:
+        d.start()
+        d.wait_ready()
+        client = openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=120)
+        reference = complete_all(client, PROMPTS, n=LONG)
+
+        def health():
+            return httpx.get(f"{d.url}/health", timeout=5).json()
+
+        streams = Streams(client, PROMPTS, n=LONG)
+        mid_stream(streams, "the worker's kill")
+        held = wait_for(lambda: health()["dp_ranks"]["0"]["num_in_flight"], 30, "dp0 never held a stream")
+        d.kill("worker-dp0")
+        wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the core never noticed its worker died")
+        assert streams.running(), "every stream ended before the fault"
+
+        deadline = time.monotonic() + 3 * HEARTBEAT_TIMEOUT_S  # no worker meanwhile: the core waits for one
+        while time.monotonic() < deadline:
+            body = health()
+            assert 0 in body["up"] and body["dp_ranks"]["0"]["num_in_flight"] == held, body
+            time.sleep(0.2)
+        assert "moving its requests" not in d.log("a0")
+
+        d.start_worker(0)
+        assert streams.texts() == reference
+        assert "moving its requests" not in d.log("a0")
+    finally:
+        codes = d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert all(code == 0 for name, code in codes.items() if not name.startswith("replaced")), list(codes.items())
