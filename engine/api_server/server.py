@@ -126,7 +126,7 @@ def build(args: argparse.Namespace, before_serving=None):
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
             ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address,
-            grammar_compile_timeout=args.grammar_compile_timeout))
+            grammar_compile_timeout=args.grammar_compile_timeout, max_grammar_bytes=args.max_grammar_bytes))
     metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket,
                       shared_dir=args.metrics_dir)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
-from engine.args import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+from engine.args import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.wire.structured_outputs import StructuredOutputs
 
 log = structlog.get_logger("engine-core")
@@ -61,13 +61,15 @@ class PendingGrammar:
 
 
 class GrammarCompiler:
-    """Compiles against one model's tokenizer; equal keys share one compile (and its failure)."""
+    """Compiles against one model's tokenizer; equal keys share one compile (and its failure). A grammar
+    over `max_bytes` fails at once: the API server refuses those, but the core does not rely on it."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, max_threads: int = 2):
+                 timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                 max_threads: int = 2):
         self.model_dir, self.vocab_size = model_dir, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
         self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar")
         self._xgrammar = None
         self._lock = threading.Lock()
@@ -75,6 +77,12 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs) -> PendingGrammar:
         """Start (or join) the compile of `spec`; never raises."""
+        if spec.num_bytes > self.max_bytes:
+            job = CompileJob()
+            job.future = Future()
+            job.future.set_exception(GrammarError(f"the grammar is {spec.num_bytes} bytes, more than this server's "
+                                                  f"limit of {self.max_bytes} (--max-grammar-bytes)"))
+            return PendingGrammar(job, self.timeout_s)
         key = spec.key
         job = self._cache.get(key)
         if job is None or (job.future.done() and _is_transient(job.future)):

@@ -134,6 +134,8 @@ def test_compile_errors_name_the_compiler_error_and_are_cached(compiler):
     with pytest.raises(GrammarError, match="invalid regex: .*parenthesis is not closed"):
         pending.result()
     assert compiler.compile(StructuredOutputs(regex="a(b")).job is pending.job
+    with pytest.raises(GrammarError, match="--max-grammar-bytes"):
+        compiler.compile(StructuredOutputs(regex="a" * (compiler.max_bytes + 1))).result()
 
 
 class FakeCompiler:
