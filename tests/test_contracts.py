@@ -95,3 +95,18 @@ def test_a_model_our_engine_does_not_run_is_refused_by_plan_but_planned_for_a_st
     with pytest.raises(UsageError, match="Gemma2ForCausalLM.*not supported"):
         ModelShape.from_config(gemma)
     assert ModelShape.from_config(gemma, strict=False).head_dim == 256
+
+
+def test_max_grammar_bytes_reaches_the_api_server_and_the_engine_core():
+    from engine.api_server.server import parse_args as api_server_args
+    from vsup.serve_flags import ServeFlags, engine_args
+
+    from engine.core.engine_core_proc import parse_args as core_args
+
+    flags = ServeFlags(model="m", served_model_name="m", host="h", port=1, dtype="auto", max_num_seqs=4, seed=0,
+                       drain_timeout=1.0, gpu_memory_utilization=0.9, kv_cache_bytes=1 << 20, max_grammar_bytes=1234)
+    argv = list(engine_args(flags))
+    assert api_server_args([*argv, "--engine-address", "ipc://x"]).max_grammar_bytes == 1234
+    core = core_args([*argv, "--worker-address", "a", "--control-address", "b", "--ring-prefix", "c",
+                      "--wakeup-address", "d"])
+    assert core.max_grammar_bytes == 1234 and core.grammar_compile_timeout == 10.0

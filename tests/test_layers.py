@@ -23,7 +23,7 @@ LAYERS = [  # bottom first; a module belongs to the entry that is the longest pr
     ["engine.log", "engine.process", "engine.args", "engine.progress", "engine.cluster", "engine.load"],
     ["engine.model.config", "engine.model.default_model"],     # the model as config.json says, without torch
     ["engine.ring", "engine.distributed", "engine.ops"],        # steps, tensors and kernels between processes
-    ["engine.model", "engine.sampling"],
+    ["engine.model", "engine.sampling", "engine.structured"],
     ["engine.worker"],
     ["engine.executor"],
     ["engine.core", "engine.coordinator", "engine.api_server"],  # the three roles above the workers

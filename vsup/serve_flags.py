@@ -21,6 +21,7 @@ class ServeFlags:
     gpu_memory_utilization: float
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
+    max_grammar_bytes: int | None = None  # our engine's limit on a structured request's grammar (default 64 KiB)
     uds: str | None = None  # a Unix socket to serve on instead of host and port (vLLM behind vsup's front)
 
 
@@ -31,5 +32,6 @@ def engine_args(flags: ServeFlags, *, multiprocessing: bool = True, dp_lockstep:
             "--kv-cache-bytes", str(flags.kv_cache_bytes), "--seed", str(flags.seed),
             "--drain-timeout", str(flags.drain_timeout),
             *(("--max-model-len", str(flags.max_model_len)) if flags.max_model_len else ()),
+            *(("--max-grammar-bytes", str(flags.max_grammar_bytes)) if flags.max_grammar_bytes else ()),
             *(() if multiprocessing else ("--no-multiprocessing",)),
             *(("--dp-lockstep",) if dp_lockstep else ()))

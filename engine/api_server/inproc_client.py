@@ -23,6 +23,7 @@ import structlog
 
 from engine.api_server.client_base import ClientBase
 from engine.api_server.request_stream import RequestStream
+from engine.args import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.wire.protocol import AddRequest, FinishReason
 from engine.wire.sampling_params import SamplingParams
 
@@ -50,6 +51,8 @@ class InprocConfig:
     ring_prefix: str | None = None
     wakeup_address: str | None = None
     startup_timeout_s: float = 600.0
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 def build_engine_core(config: InprocConfig):

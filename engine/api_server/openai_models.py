@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.api_server.errors import bad_request
+from engine.api_server.structured_fields import ResponseFormat, StructuredOutputsField, structured_outputs_of
+from engine.args import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.wire.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -31,6 +33,7 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 def check_token_ids(token_ids, vocab_size: int, param: str) -> None:
@@ -80,6 +83,8 @@ class SamplingFields(OpenAIRequest):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and its top n
     return_token_ids: bool = False  # the choices' token_ids and the prompt_token_ids
+    structured_outputs: StructuredOutputsField | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _supported(self):
@@ -133,6 +138,7 @@ class SamplingFields(OpenAIRequest):
                               f"prompt, {max_tokens} for the completion). Please reduce the length of the prompt "
                               f"or max_tokens.", "max_tokens")
         check_token_ids(self.stop_token_ids or (), limits.vocab_size, "stop_token_ids")
+        structured = structured_outputs_of(self.response_format, self.structured_outputs, limits.max_grammar_bytes)
         try:
             params = SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -145,7 +151,8 @@ class SamplingFields(OpenAIRequest):
                 logprobs=self.requested_logprobs(), prompt_logprobs=self.requested_prompt_logprobs(),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                structured_outputs=structured)
             params.validate()
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
@@ -200,12 +207,6 @@ class ChatMessage(OpenAIRequest):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIRequest):
-    """Only {"type": "text"} is served."""
-
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -214,7 +215,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     # vLLM's extensions
@@ -223,9 +223,6 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _chat_supported(self):
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not supported; use 'text'",
-                              "response_format")
         if self.tools and self.tool_choice != "none":
             raise bad_request("tool calling is not supported", "tools")
         if self.top_logprobs and not self.logprobs:

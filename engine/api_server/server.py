@@ -20,7 +20,7 @@ import socket
 
 import structlog
 
-from engine.args import add_parallel_sizes, role_parser
+from engine.args import add_parallel_sizes, add_structured_output_limits, role_parser
 
 BACKLOG = 2048
 JOIN_POLL_S = 0.05  # a sibling API server looks this often whether an engine core is ready
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get(ENV_API_KEY) or None, help=f"or ${ENV_API_KEY}")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    add_structured_output_limits(p)
     p.add_argument("--engine-heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a word after which a core no longer counts as up")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, how long open requests may finish")
@@ -124,12 +125,13 @@ def build(args: argparse.Namespace, before_serving=None):
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
-            ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address))
+            ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address,
+            grammar_compile_timeout=args.grammar_compile_timeout, max_grammar_bytes=args.max_grammar_bytes))
     metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket,
                       shared_dir=args.metrics_dir)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
                       max_model_len=args.max_model_len or model_config.max_model_len,
-                      vocab_size=model_config.vocab_size, metrics=metrics)
+                      vocab_size=model_config.vocab_size, metrics=metrics, max_grammar_bytes=args.max_grammar_bytes)
     return build_app(serving, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                      api_server_rank=args.api_server_rank, state_file=args.state_file,
                      before_serving=before_serving)

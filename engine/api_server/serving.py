@@ -11,6 +11,7 @@ from engine.api_server.generation import ChoiceRunner
 from engine.api_server.openai_models import ModelLimits, SamplingFields
 from engine.api_server.sampling import choice_params
 from engine.api_server.tokenizer import Tokenizer
+from engine.args import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.load import LoadMeter
 from engine.wire.sampling_params import SamplingParams
 
@@ -19,12 +20,14 @@ class Serving:
     """The engine client, tokenizer and limits one API server generates with."""
 
     def __init__(self, client, tokenizer: Tokenizer, *, served_model_names: Sequence[str],
-                 max_model_len: int | None, vocab_size: int, metrics=None):
+                 max_model_len: int | None, vocab_size: int, metrics=None,
+                 max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES):
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.default_max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_grammar_bytes = max_grammar_bytes
         self.metrics = metrics
         self.meter = LoadMeter()  # for `vsup ps`: the event loop's busy share, time spent tokenizing
         tokenizer.meter = self.meter
@@ -50,7 +53,7 @@ class Serving:
 
     def limits(self) -> ModelLimits:
         """What the model allows a request now (503 while no core is ready and no length is known)."""
-        return ModelLimits(self.max_model_len(), self.vocab_size)
+        return ModelLimits(self.max_model_len(), self.vocab_size, self.max_grammar_bytes)
 
     def check_ready(self) -> None:
         """503 now rather than after tokenizing, when no rank could take the request."""

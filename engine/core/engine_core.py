@@ -14,6 +14,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
+from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import AddRequest, FinishReason, RequestUpdate, SchedulerStats
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -24,12 +25,13 @@ class EngineCore:
     """Takes requests, runs steps on its executor, returns what each request gained."""
 
     def __init__(self, config: SchedulerConfig, executor: Executor | None, vocab_size: int,
-                 num_batches_in_flight: int = 1):
+                 num_batches_in_flight: int = 1, structured: StructuredOutputManager | None = None):
         """`num_batches_in_flight` is the pipeline-parallel size: one batch per stage, so that
-        stage 0 computes the next batch while the later stages finish this one."""
+        stage 0 computes the next batch while the later stages finish this one. Without `structured`
+        the core refuses requests with structured_outputs."""
         self.config = config
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, structured)
         self.executor = executor
         self.num_steps = 0        # steps that ran a batch of requests
         self.num_dummy_steps = 0  # --dp-lockstep: steps with no request, to keep in step with other ranks
@@ -103,6 +105,9 @@ class EngineCore:
             else:  # nothing to run: close the step's books at once
                 empty = ModelRunnerOutput(step_id=scheduler_output.step_id)
                 updates += self.scheduler.update_from_output(scheduler_output, empty)
+        structured = self.scheduler.structured
+        if not self.inflight and structured is not None and structured.has_pending():
+            structured.wait(0.01)  # nothing runs: rather than spin, give the compile a moment
         if self.inflight:
             _, scheduler_output = self.inflight.popleft()
             model_output = self.executor.wait(scheduler_output.step_id)
@@ -141,5 +146,7 @@ class EngineCore:
         return self.scheduler.preempt_all(executor.num_blocks)
 
     def close(self) -> None:
+        if self.scheduler.structured is not None:
+            self.scheduler.structured.compiler.close()
         if self.executor is not None:
             self.executor.close()

@@ -22,7 +22,7 @@ import structlog
 import zmq
 
 from engine import cluster
-from engine.args import add_parallel_sizes, role_parser
+from engine.args import add_parallel_sizes, add_structured_output_limits, role_parser
 from engine.core.engine_core import EngineCore
 from engine.core.setup import build_engine_core, start_worker_group
 from engine.core.wave_follower import WaveFollower
@@ -367,6 +367,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_structured_output_limits(p)
     p.add_argument("--api-server-address", action="append", default=[], help="an API server's engine socket")
     p.add_argument("--worker-address", required=True, help="where this core's workers connect")
     p.add_argument("--control-address", required=True, help="where the supervisor sends WorkersLost and Shutdown")

@@ -18,9 +18,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import msgspec
+
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus, check_stop, stop_token_of
 from engine.core.scheduler_config import SchedulerConfig
+from engine.structured.compiler import GrammarError
+from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import FinishReason, RequestUpdate, SchedulerStats
 from engine.wire.scheduler_output import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
@@ -28,8 +32,9 @@ from engine.wire.scheduler_output import CachedRequest, ModelRunnerOutput, NewRe
 class Scheduler:
     """Owns the request queues and the block manager of one engine core."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, structured: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured = structured  # grammars of structured requests; None: this core refuses them
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.eos_token_ids = config.eos_token_ids
@@ -42,6 +47,7 @@ class Scheduler:
         self._step_id = 0
         self._inflight_step_ids: set[int] = set()  # several with pipeline parallelism
         self._finished_req_ids: list[str] = []   # for the workers to drop, sent with the next step
+        self._failed: list[RequestUpdate] = []   # finished while waiting (a grammar that failed), not yet said
 
     # --- requests in and out ---
 
@@ -50,12 +56,16 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in flight; ids must be unique")
         error = self._why_unschedulable(request)
+        if error is None and request.sampling.structured_outputs is not None and self.structured is None:
+            error = "this engine core serves no structured outputs"
         if error is not None:
             request.finish(FinishReason.ERROR, error)
             return RequestUpdate(request.req_id, finish_reason=request.finish_reason, error=error)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if request.sampling.structured_outputs is not None:
+            self.structured.add(request.req_id, request.sampling.structured_outputs)
         return None
 
     def abort(self, req_ids: Iterable[str]) -> list[RequestUpdate]:
@@ -118,10 +128,16 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # waiting: admitted in order, never past a preemption this step
+        # waiting: admitted in order, never past a preemption this step; those still compiling wait
+        skipped: list[Request] = []
         while (self.admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.num_preemptions == num_preemptions_before):
             request = self.waiting[0]
+            if not self._is_grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:
+                    skipped.append(request)
+                continue
             num_new = min(request.num_tokens - bm.num_cached_tokens(request), budget)
             if not bm.can_allocate(request, num_new):
                 waited_for_blocks = True
@@ -132,11 +148,12 @@ class Scheduler:
             self.running.append(request)
             new_requests.append(NewRequest(
                 request.req_id, list(request.token_ids), request.num_prompt_tokens,
-                request.sampling, list(block_ids), request.num_computed_tokens))
+                _for_workers(request.sampling), list(block_ids), request.num_computed_tokens))
             request.num_sent_tokens = request.num_tokens
             num_scheduled[request.req_id] = num_new
             budget -= num_new
 
+        self.waiting.extendleft(reversed(skipped))
         if waited_for_blocks or self.num_preemptions > num_preemptions_before:
             self.num_kv_stalls += 1
         self._step_id += 1
@@ -146,6 +163,9 @@ class Scheduler:
         self._inflight_step_ids.add(self._step_id)
         output = SchedulerOutput(self._step_id, new_requests, cached_requests, num_scheduled,
                                  list(self._finished_req_ids))
+        if self.structured is not None:  # the rows that sample this step: those computed to their end
+            output.grammar_bitmask = self.structured.bitmask(
+                r for r in num_scheduled if self.requests[r].num_computed_tokens == self.requests[r].num_tokens)
         if num_scheduled:  # an empty step may never reach the workers: keep the ids for the next
             self._finished_req_ids.clear()
         return output
@@ -163,7 +183,7 @@ class Scheduler:
         out = model_runner_output
         index = {req_id: i for i, req_id in enumerate(out.req_ids)}
         prompt_logprobs = {chunk.req_id: chunk for chunk in out.prompt_logprobs}
-        updates = []
+        updates, self._failed = self._failed, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if (request is None or request.status is not RequestStatus.RUNNING
@@ -182,6 +202,12 @@ class Scheduler:
             logprobs = out.logprobs[i] if i < len(out.logprobs) else None
             request.append_token(token)
             reason = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+            accepted = self.structured.accept(req_id, token) if self.structured is not None else None
+            if accepted is False:
+                updates.append(self._fail(request, f"the sampler chose token {token}, which its grammar refuses"))
+                continue
+            if accepted and self.structured.is_terminated(req_id):
+                reason = FinishReason.STOP
             stop_token = stop_token_of(request, self.eos_token_ids) if reason is FinishReason.STOP else None
             if reason is not None:
                 self._finish(request, reason)
@@ -238,12 +264,25 @@ class Scheduler:
         """Mark done, free its blocks and forget it; the caller takes it off its queue."""
         request.finish(reason, error)
         self.block_manager.free(request)
+        if self.structured is not None:
+            self.structured.free(request.req_id)
         del self.requests[request.req_id]
         self._finished_req_ids.append(request.req_id)
 
     def _fail(self, request: Request, error: str) -> RequestUpdate:
         self._finish(request, FinishReason.ERROR, error)
         return RequestUpdate(request.req_id, finish_reason=FinishReason.ERROR, error=error)
+
+    def _is_grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted as far as its grammar goes; one whose grammar
+        failed is finished here, its update said with the next step's."""
+        if self.structured is None or request.sampling.structured_outputs is None:
+            return True
+        try:
+            return self.structured.is_ready(request.req_id, request.output_token_ids)
+        except GrammarError as e:
+            self._failed.append(self._fail(request, str(e)))
+            return False
 
     def _why_unschedulable(self, request: Request) -> str | None:
         """Why `request` could never run, even alone with the whole cache, or None."""
@@ -261,3 +300,10 @@ class Scheduler:
                     f"holds only {bm.num_blocks} blocks; lower max_tokens or the prompt length, "
                     f"or give the KV cache more memory")
         return None
+
+
+def _for_workers(sampling):
+    """The workers see a grammar only as its bitmask: its source stays in the core."""
+    if sampling.structured_outputs is None:
+        return sampling
+    return msgspec.structs.replace(sampling, structured_outputs=None)

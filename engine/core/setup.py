@@ -15,6 +15,9 @@ from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import Executor
 from engine.executor.worker_group import WorkerGroup
 from engine.model.config import ModelConfig, eos_token_ids
+from engine.args import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.manager import StructuredOutputManager
 
 
 def start_worker_group(address: str, world_size: int, timeout_s: float, on_wait: Callable[[], None] | None = None,
@@ -44,4 +47,8 @@ def build_engine_core(flags, executor: Executor, model_config: ModelConfig) -> E
     if capacity < max_model_len:
         raise ValueError(f"the KV cache holds {capacity} tokens but --max-model-len is {max_model_len}; "
                          f"raise --kv-cache-memory or lower --max-model-len")
-    return EngineCore(config, executor, model_config.vocab_size, num_batches_in_flight=flags.pipeline_parallel_size)
+    compiler = GrammarCompiler(flags.model, model_config.vocab_size, config.eos_token_ids,
+                               timeout_s=getattr(flags, "grammar_compile_timeout", DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S),
+                               max_bytes=getattr(flags, "max_grammar_bytes", DEFAULT_MAX_GRAMMAR_BYTES))
+    return EngineCore(config, executor, model_config.vocab_size, num_batches_in_flight=flags.pipeline_parallel_size,
+                      structured=StructuredOutputManager(compiler))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling.grammar_bitmask import apply_grammar_bitmask
 from engine.wire.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
@@ -35,7 +36,9 @@ class SamplingMetadata:
     or None (global RNG); `output_token_ids[i]` are the tokens row i has
     generated so far (all penalties) and `prompt_token_ids[i]` its prompt
     (repetition penalty only). `blocked_token_ids` maps a row still short of
-    its min_tokens to the stop tokens it may not sample yet. The is_/has_
+    its min_tokens to the stop tokens it may not sample yet. `grammar_rows`
+    [m] are the rows under a grammar and `grammar_bitmask` [m, words] what
+    each may sample (engine/sampling/grammar_bitmask.py). The is_/has_
     flags and max_top_k only let the sampler skip work that no row needs.
     """
 
@@ -50,6 +53,8 @@ class SamplingMetadata:
     output_token_ids: Sequence[Sequence[int]]
     prompt_token_ids: Sequence[Sequence[int]] | None = None
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    grammar_rows: torch.Tensor | None = None  # [m] int64
+    grammar_bitmask: torch.Tensor | None = None  # [m, ceil(vocab / 32)] int32
     max_num_logprobs: int | None = None
     max_top_k: int | None = None  # largest top_k when every sampled row has one
     is_all_greedy: bool = False
@@ -120,7 +125,7 @@ class SamplerOutput:
 class Sampler:
     """Sample one token per row of `logits` [n, vocab] under a SamplingMetadata.
 
-    Order (vLLM's): stop tokens blocked for min_tokens and penalties on the
+    Order (vLLM's): a grammar's bitmask, stop tokens blocked for min_tokens and penalties on the
     raw logits; logprobs from that distribution; greedy rows take its
     argmax; the other rows divide by temperature, apply min_p, then top-k
     and top-p, and draw by argmax(p / q) with q ~ Exp(1), an exact sample
@@ -129,6 +134,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if metadata.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
         if metadata.blocked_token_ids:
             logits = logits.clone()  # the caller's logits stay untouched
             for row, token_ids in metadata.blocked_token_ids.items():

@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from engine.wire.structured_outputs import StructuredOutputs
+
 # Below this temperature a row is sampled greedily: dividing logits by a
 # near-zero number only overflows and changes nothing but the argmax.
 GREEDY_TEMPERATURE = 1e-5
@@ -24,7 +26,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     context length; logprobs None returns none, n returns the sampled
     token's logprob plus the n most likely; prompt_logprobs does the same
     for every prompt token after the first (raw model logprobs); penalties 0 (1 for
-    repetition_penalty) are off. Call `validate()` on user input.
+    repetition_penalty) are off. `structured_outputs` constrains the output
+    to a grammar (the engine core's business: the workers only see its
+    bitmask). Call `validate()` on user input.
     """
 
     temperature: float = 1.0
@@ -41,6 +45,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -73,6 +78,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             _check(-2 <= value <= 2, name, value, "must be in [-2, 2]")
         _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", self.repetition_penalty, "must be > 0 (1 means off)")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -33,6 +33,14 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     new_block_ids: list[int] = []   # blocks appended to its block table
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """Which tokens each structured request of a step may sample: one row per `req_ids` entry,
+    ceil(vocab / 32) little-endian int32 words a row, bit j of word w allowing token 32 * w + j."""
+
+    req_ids: list[str]
+    data: bytes
+
+
 class SchedulerOutput(msgspec.Struct, tag="step", omit_defaults=True):
     """One step: which requests run and how many of their tokens each computes."""
 
@@ -42,6 +50,7 @@ class SchedulerOutput(msgspec.Struct, tag="step", omit_defaults=True):
     num_scheduled_tokens: dict[str, int] = {}
     finished_req_ids: list[str] = []  # workers drop their state for these
     dummy: bool = False  # a one-token forward that touches no request and samples nothing (--dp-lockstep)
+    grammar_bitmask: GrammarBitmask | None = None  # rows of the requests that sample under a grammar
 
     @property
     def total_num_scheduled_tokens(self) -> int:

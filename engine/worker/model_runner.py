@@ -14,10 +14,12 @@ import torch
 from engine.distributed import ParallelGroups
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
+from engine.sampling.grammar_bitmask import bitmask_from_bytes
 from engine.sampling.prompt_logprobs import prompt_logprobs
 from engine.sampling.sampler import Sampler, SamplingMetadata, exponential_noise, make_generator
 from engine.wire.sampling_params import SamplingParams
-from engine.wire.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput, TokenLogprobs
+from engine.wire.scheduler_output import (GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SchedulerOutput,
+                                          TokenLogprobs)
 
 
 @dataclass
@@ -130,7 +132,7 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, prompt_logprobs=prompt)
         output = self._sample(scheduler_output.step_id, [req_ids[i] for i in sampling],
-                              [states[i] for i in sampling], logits)
+                              [states[i] for i in sampling], logits, scheduler_output.grammar_bitmask)
         output.prompt_logprobs = prompt
         return output
 
@@ -166,11 +168,15 @@ class ModelRunner:
             self.groups.send_intermediate(hidden)
 
     def _sample(self, step_id: int, req_ids: list[str], states: list[RequestState],
-                logits: torch.Tensor) -> ModelRunnerOutput:
+                logits: torch.Tensor, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         metadata = SamplingMetadata.from_params(
             [s.sampling for s in states], [s.output_token_ids for s in states], [s.generator for s in states],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
             eos_token_id=self.eos_token_id, device=self.device)
+        if grammar is not None and grammar.req_ids:
+            row_of = {req_id: i for i, req_id in enumerate(req_ids)}
+            metadata.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], device=self.device)
+            metadata.grammar_bitmask = bitmask_from_bytes(grammar.data, len(grammar.req_ids), self.device)
         result = self.sampler(logits.float(), metadata)
         logprobs: list[TokenLogprobs | None] = []
         for i, state in enumerate(states):

@@ -28,6 +28,7 @@ BENCHES = {
     "api_server": ["serving", "claim", "latency", "vllm"],
     "engine_core": ["throughput", "step_overhead", "ring_round_trip", "multiprocess"],
     "scaling": ["rows", "configs", "notes"],
+    "structured": ["sides", "compile", "ratio_50_over_0"],
     "supervisor": ["serve", "log", "ps"],
     "soak": ["kills", "requests", "resources"],
     "engine_decode": ["decode"],
@@ -37,7 +38,7 @@ BENCHES = {
     "vllm_supervised": ["detect"],
 }
 SECTIONS = ["## Conditions", "## Serving", "## Engine overhead", "## The seed's claim", "## The supervisor",
-            "## Scaling", "## Against the goals", "## Missing inputs"]
+            "## Scaling", "## Structured outputs", "## Against the goals", "## Missing inputs"]
 PNGS = ["serving_throughput.png", "serving_latency.png", "engine_throughput.png", "decode_step.png", "overhead.png",
         "claim.png", "supervisor.png", "scaling.png"]
 PARALLEL = 3

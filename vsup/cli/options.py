@@ -113,6 +113,10 @@ DTypeOpt = Annotated[DType, _option(
 MaxModelLen = Annotated[Optional[int], _option(
     "--max-model-len", panel=MEMORY, show_default=False,
     help="Longest prompt plus output, in tokens.  [default: the model's max_position_embeddings]")]
+MaxGrammarBytes = Annotated[Optional[int], _option(
+    "--max-grammar-bytes", panel=MEMORY, show_default=False, min=1,
+    help="Largest JSON schema, regex, choice list or grammar a structured request may send; larger ones get a "
+         "400.  [default: 65536]")]
 KvCacheMemory = Annotated[Optional[str], _option(
     "--kv-cache-memory", panel=MEMORY, show_default=False,
     help="KV cache size per worker, like 4GiB or 512MiB.  [default: 1GiB on the CPU; on CUDA what "

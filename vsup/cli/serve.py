@@ -33,6 +33,7 @@ def serve(
     dtype: options.DTypeOpt = options.DType.auto,
     max_model_len: options.MaxModelLen = None,
     kv_cache_memory: options.KvCacheMemory = None,
+    max_grammar_bytes: options.MaxGrammarBytes = None,
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
     max_num_seqs: options.MaxNumSeqs = 256,
     seed: options.Seed = 0,
@@ -92,7 +93,7 @@ def serve(
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                        host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes)
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout)
     if vllm:
@@ -102,7 +103,8 @@ def serve(
 
         if max_pending < 0 or max_resumes < 0 or resume_timeout < 0:
             raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
-        check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep})
+        check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep,
+                                     "--max-grammar-bytes": max_grammar_bytes is not None})
         kv_cache_bytes = memory.stages[0].kv_cache_bytes if kv_cache_memory else None  # else vLLM's own default
         the_plan = vllm_deployment(parallel, replace(flags, kv_cache_bytes=kv_cache_bytes), vllm_bin, extra, api_key,
                                    FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas,

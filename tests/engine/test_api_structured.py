@@ -1,0 +1,220 @@
+"""Structured outputs through the official client, against a real API server, engine core and worker
+on the tiny model: its weights are random, so whatever validates does so because the grammar forced it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.local_deployment import LocalDeployment, with_test_tokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+REGEX = r"[a-z]{3,6}-[0-9]{2}"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+MAX_GRAMMAR_BYTES = 128 << 10
+GREEDY = dict(model="tiny", temperature=0.0)
+COMPACT = {"disable_any_whitespace": True}  # a random model would write whitespace until max_tokens
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)  # short: a random model never closes a free string
+    age: int = Field(ge=0, le=120)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))  # short: ipc:// paths have a 107-byte limit
+    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
+    limits = ("--max-grammar-bytes", str(MAX_GRAMMAR_BYTES), "--grammar-compile-timeout", "1")
+    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=512, kv_cache_bytes=4 << 20,
+                        api_args=limits, core_args=limits)
+    d.start()
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        codes = d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert "Traceback" not in d.log("core-dp0"), d.log("core-dp0")[-3000:]
+    assert codes["a0"] == 0, codes
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def valid_person(text: str) -> dict:
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "ok"} and isinstance(value["name"], str) and len(value["name"]) <= 8
+    assert isinstance(value["age"], int) and isinstance(value["ok"], bool)
+    return value
+
+
+def structured(kind: str) -> dict:
+    return {"json": SCHEMA, "regex": REGEX, "choice": CHOICES, "grammar": GRAMMAR}[kind]
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        valid_person(text)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\((?:[0-9x])(?:,[0-9x])*\)", text), text
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar"])
+def test_each_structured_outputs_mode_validates(client, kind):
+    out = client.completions.create(prompt="Say it:", max_tokens=200, extra_body={"structured_outputs": {
+        kind: structured(kind), **COMPACT}}, **GREEDY)
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    check(kind, out.choices[0].text)
+
+
+def test_response_format_json_object_and_json_schema_on_chat(client):
+    # any object: its keys are free strings, which a random model never closes: an object's opening only
+    out = client.chat.completions.create(messages=[{"role": "user", "content": "JSON"}], max_tokens=30,
+                                         response_format={"type": "json_object"},
+                                         extra_body={"structured_outputs": COMPACT}, **GREEDY).choices[0]
+    assert out.message.content.startswith('{"') and out.finish_reason == "length"
+    messages = [{"role": "user", "content": "JSON please"}]
+    out = client.chat.completions.create(messages=messages, max_tokens=200, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+        extra_body={"structured_outputs": COMPACT}, **GREEDY)
+    valid_person(out.choices[0].message.content)
+
+
+def test_response_format_json_schema_on_completions_streamed_n2_sampled(client):
+    stream = client.completions.create(prompt="JSON:", max_tokens=200, n=2, stream=True, temperature=1.0, seed=7,
+                                       model="tiny", extra_body={"response_format": {
+                                           "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+                                           "structured_outputs": COMPACT})
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    for text in texts:
+        valid_person(text)
+
+
+def test_parse_with_a_pydantic_model(client):
+    completion = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "who?"}],
+                                               response_format=Person, max_tokens=200, temperature=0.0,
+                                               extra_body={"structured_outputs": COMPACT})
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and isinstance(person.age, int)
+
+
+def test_sampled_seeded_structured_requests_validate_and_repeat(client):
+    def run():
+        return [client.completions.create(prompt=f"Go {i}", max_tokens=200, temperature=1.0, seed=i, model="tiny",
+                                          extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}}).choices[0].text
+                for i in range(3)]
+    first = run()
+    for text in first:
+        valid_person(text)
+    assert run() == first
+
+
+def test_mixed_batch_of_32_validates_and_leaves_plain_requests_alone(client):
+    kinds = ["json", "regex", "choice", None] * 8
+    prompts = [f"Request {i}:" for i in range(len(kinds))]
+
+    def run(i):
+        body = ({"ignore_eos": True} if kinds[i] is None
+                else {"structured_outputs": {kinds[i]: structured(kinds[i]), **COMPACT}})
+        out = client.completions.create(prompt=prompts[i], max_tokens=60 if kinds[i] is None else 200,
+                                        extra_body={**body, "return_token_ids": True}, **GREEDY)
+        return out.choices[0].text, out.choices[0].token_ids
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, range(len(kinds))))
+    for kind, (text, _) in zip(kinds, results):
+        if kind is not None:
+            check(kind, text)
+    plain = [i for i, k in enumerate(kinds) if k is None]
+    assert all(len(results[i][1]) == 60 for i in plain)
+    assert [results[i][1] for i in plain] == [run(i)[1] for i in plain]  # the same tokens, run alone
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"structured_outputs": {"json": {"type": "objec"}}}, "invalid JSON schema"),
+    ({"structured_outputs": {"regex": "a(b"}}, "invalid regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "invalid grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"structured_outputs": {"choice": ["x" * MAX_GRAMMAR_BYTES]}}, "--max-grammar-bytes"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+])
+def test_bad_grammars_are_400s_that_say_why(client, body, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="x", max_tokens=5, extra_body=body, **GREEDY)
+    assert says in e.value.body["message"] if isinstance(e.value.body, dict) else says in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        list(client.completions.create(prompt="x", max_tokens=5, extra_body=body, stream=True, **GREEDY))
+    assert client.completions.create(prompt="still up", max_tokens=3, **GREEDY).choices[0].text is not None
+
+
+def test_a_grammar_too_slow_to_compile_is_a_400_naming_the_timeout(client):
+    """40 objects of 40 patterned strings: 88 KB, about 3.5 s to compile here, against a 1 s timeout."""
+    inner = {"type": "object", "properties": {f"g{j}": {"type": "string", "pattern": "[a-z]{1,20}x"} for j in range(40)}}
+    slow = {"type": "object", "properties": {f"f{i}": inner for i in range(40)}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="x", max_tokens=5, extra_body={"structured_outputs": {"json": slow}}, **GREEDY)
+    assert "--grammar-compile-timeout" in str(e.value)
+    assert client.completions.create(prompt="still up", max_tokens=3, **GREEDY).choices[0].text is not None
+
+
+def test_a_core_killed_mid_stream_resumes_the_grammar_from_the_tokens_streamed(client, server):
+    """The replacement core rebuilds the request's grammar state from the tokens already streamed
+    (AddRequest.output_token_ids): greedy, the text is the uninterrupted run's. Last: it replaces the core."""
+    body = dict(prompt="List:", max_tokens=300, extra_body={"structured_outputs": {
+        "json": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1000}, **COMPACT}}, **GREEDY)
+    reference = client.completions.create(**body).choices[0].text
+    assert reference.startswith('["')
+    stream = client.completions.create(stream=True, **body)
+    chunks = [next(stream)]
+    server.kill("core-dp0")
+    server.start_core(0)
+    try:
+        chunks += list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == reference
+        assert "resubmitting its requests" in server.log("a0"), "the core finished before it was killed"
+    finally:
+        codes = server.stop()  # this test started the replacements: they end with it
+    assert codes["core-dp0"] == 0, codes
+
+
+def test_in_process_mode_serves_structured_outputs(tiny_model):
+    """--no-multiprocessing: the engine core in the API server's process compiles and masks alike."""
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
+    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
+    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=256, kv_cache_bytes=2 << 20)
+    d.start(in_process=True)
+    try:
+        d.wait_ready()
+        local = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+        out = local.completions.create(prompt="Pick:", max_tokens=20, extra_body={"structured_outputs": {
+            "choice": CHOICES}}, **GREEDY)
+        assert out.choices[0].text in CHOICES and out.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="invalid regex"):
+            local.completions.create(prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "(("}},
+                                     **GREEDY)
+    finally:
+        codes = d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert all(code == 0 for code in codes.values()), codes
