@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.api_server.errors import bad_request
 from engine.api_server.structured_fields import ResponseFormat, StructuredOutputsField, structured_outputs_of
+from engine.api_server.tool_calls import forced_name, forced_schema, function_tools
 from engine.args import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.wire.sampling_params import SamplingParams
 
@@ -205,6 +206,8 @@ class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as a chat completion returned them
+    tool_call_id: str | None = None       # a tool's answer: to which call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -216,18 +219,47 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a function
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self):
-        if self.tools and self.tool_choice != "none":
-            raise bad_request("tool calling is not supported", "tools")
+        self._check_tools()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         return self
+
+    def _check_tools(self) -> None:
+        """400s for malformed tools or tool_choice; a forced choice becomes the request's JSON schema."""
+        try:
+            tools = function_tools(self.tools or [])
+            forced_name(self.tool_choice)
+            schema = forced_schema(tools, self.tool_choice, self.parallel_tool_calls) if tools else None
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        if self.tool_choice not in (None, "none") and not tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if schema is not None:
+            if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+                raise bad_request(f"tool_choice {self.tool_choice!r} forces its own JSON schema: it cannot be "
+                                  f"combined with response_format or structured_outputs", "tool_choice")
+            # without free whitespace: arguments are for machines, and a model could pad them until max_tokens
+            self.structured_outputs = StructuredOutputsField(json=schema, disable_any_whitespace=True)
+
+    def tool_mode(self) -> str:
+        """How the choices carry tool calls: none, auto, named or required (engine/api_server/chat_tools.py)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, dict):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (none under tool_choice "none")."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

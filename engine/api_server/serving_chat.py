@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the model's chat template, n choices, streamed or not."""
+"""POST /v1/chat/completions: messages through the model's chat template, n choices, streamed or not,
+with tool calls (engine/api_server/chat_tools.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import structlog
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.api_server.chat_tools import ChatTools, template_message
 from engine.api_server.answer import (ClientDisconnected, error_event, json_response, new_request_id, now, open_stream,
                                      run_to_end, sse, streaming_response, usage)
 from engine.api_server.errors import bad_request
@@ -50,6 +52,9 @@ def render_messages(tokenizer: Tokenizer, body) -> str:
     """The prompt text of `body.messages` (chat requests and /tokenize), via the chat template."""
     kwargs = {k: v for k, v in (getattr(body, "chat_template_kwargs", None) or {}).items()
               if k not in RESERVED_TEMPLATE_VARS and isinstance(k, str) and k.isidentifier()}
+    tools = body.template_tools() if isinstance(body, ChatCompletionRequest) else None
+    if tools:
+        kwargs["tools"] = tools
     return tokenizer.apply_chat_template([_message(m) for m in body.messages],
                                          add_generation_prompt=body.add_generation_prompt, **kwargs)
 
@@ -65,7 +70,11 @@ def _message(m: ChatMessage) -> dict:
     out = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
-    return out
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    return template_message(out)
 
 
 class ChatView:
@@ -77,6 +86,7 @@ class ChatView:
         self.include_usage = body.include_usage
         self.num_top = body.top_logprobs or 0
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
+        self.tools = ChatTools(body.tool_mode(), body.tool_choice)
 
     def logprobs(self, r: ChoiceResult | ChoiceDelta) -> dict | None:
         if not self.body.logprobs:
@@ -90,8 +100,9 @@ class ChatView:
         return prompt_logprobs_list(self.tokenizer.token_text, self.prompt, r.prompt_logprobs)
 
     def choice(self, r: ChoiceResult) -> dict:
-        return {"index": r.index, "message": {"role": "assistant", "content": r.text},
-                "logprobs": self.logprobs(r), "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+        message, finish_reason = self.tools.message(r.text, r.finish_reason)
+        return {"index": r.index, "message": message,
+                "logprobs": self.logprobs(r), "finish_reason": finish_reason, "stop_reason": r.stop_reason,
                 "token_ids": r.token_ids if self.body.return_token_ids else None}
 
     def chunk(self, choices: list[dict], usage_: dict | None = None, **extra) -> bytes:
@@ -107,9 +118,15 @@ class ChatView:
         return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], **extra)
 
-    def delta_choice(self, d: ChoiceDelta) -> dict:
-        delta = {"content": d.text} if d.text or not d.finish_reason else {}
-        out = {"index": d.index, "delta": delta, "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
+    def delta_choice(self, d: ChoiceDelta) -> dict | None:
+        """The chunk's choice; None when it has nothing to say yet (a tool call's text held back)."""
+        delta = self.tools.delta(d.index, d.text, d.finish_reason)
+        if not delta and d.finish_reason is None:
+            if not self.body.logprobs and not self.body.return_token_ids:
+                return None
+            delta = {"content": ""}  # the tokens' logprobs or ids, their text still to come
+        out = {"index": d.index, "delta": delta, "logprobs": self.logprobs(d),
+               "finish_reason": self.tools.finish_reason(d.index, d.finish_reason)}
         if d.finish_reason:
             out["stop_reason"] = d.stop_reason
         if self.body.return_token_ids:
@@ -130,8 +147,9 @@ async def _events(view: ChatView, first: ChoiceDelta, deltas, num_prompt_tokens:
                 started.add(delta.index)
                 yield view.role_chunk(delta.index)
             num_tokens += len(delta.token_ids)
-            if delta.text or delta.finish_reason or view.body.logprobs or view.body.return_token_ids:
-                yield view.chunk([view.delta_choice(delta)])  # not for tokens that only began a character
+            choice = view.delta_choice(delta)  # None for tokens that only began a character, or a call held back
+            if choice is not None:
+                yield view.chunk([choice])
             delta = await anext(deltas, None)
         else:
             if view.include_usage:

@@ -121,9 +121,9 @@ def test_parse_with_a_pydantic_model(client):
 
 def test_sampled_seeded_structured_requests_validate_and_repeat(client):
     def run():
+        body = {"structured_outputs": {"json": SCHEMA, **COMPACT}}
         return [client.completions.create(prompt=f"Go {i}", max_tokens=200, temperature=1.0, seed=i, model="tiny",
-                                          extra_body={"structured_outputs": {"json": SCHEMA, **COMPACT}}).choices[0].text
-                for i in range(3)]
+                                          extra_body=body).choices[0].text for i in range(3)]
     first = run()
     for text in first:
         valid_person(text)
@@ -171,12 +171,107 @@ def test_bad_grammars_are_400s_that_say_why(client, body, says):
 
 def test_a_grammar_too_slow_to_compile_is_a_400_naming_the_timeout(client):
     """40 objects of 40 patterned strings: 88 KB, about 3.5 s to compile here, against a 1 s timeout."""
-    inner = {"type": "object", "properties": {f"g{j}": {"type": "string", "pattern": "[a-z]{1,20}x"} for j in range(40)}}
+    patterned = {"type": "string", "pattern": "[a-z]{1,20}x"}
+    inner = {"type": "object", "properties": {f"g{j}": patterned for j in range(40)}}
     slow = {"type": "object", "properties": {f"f{i}": inner for i in range(40)}}
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(prompt="x", max_tokens=5, extra_body={"structured_outputs": {"json": slow}}, **GREEDY)
     assert "--grammar-compile-timeout" in str(e.value)
     assert client.completions.create(prompt="still up", max_tokens=3, **GREEDY).choices[0].text is not None
+
+
+# tool calls
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                        "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def valid_weather(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert set(value) == {"city", "days"} and isinstance(value["city"], str) and len(value["city"]) <= 8
+    assert isinstance(value["days"], int) and 1 <= value["days"] <= 9
+
+
+def test_a_named_tool_choice_returns_arguments_that_validate_whole_and_streamed(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=64, **GREEDY)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "stop" and message.content == ""
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    valid_weather(call.function.arguments)
+
+    chunks = list(client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=64,
+                                                 stream=True, **GREEDY))
+    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert [tc.function.name for tc in calls if tc.id] == ["get_weather"]  # the header once, then fragments
+    assert "".join(tc.function.arguments for tc in calls) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_required_tool_choice_calls_one_of_the_tools(client):
+    whole = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
+                                           **GREEDY)
+    calls = whole.choices[0].message.tool_calls
+    assert calls and whole.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        assert call.function.name in ("get_weather", "now")
+        if call.function.name == "get_weather":
+            valid_weather(call.function.arguments)
+        else:
+            assert json.loads(call.function.arguments) == {}
+    single = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
+                                            parallel_tool_calls=False, stream=True, **GREEDY)
+    streamed = [tc for c in single if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert len(streamed) == 1 and streamed[0].function.name in ("get_weather", "now")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_models_hermes_blocks(client, stream):
+    """With tool_choice auto the server reads the model's own <tool_call> blocks; a regex makes this random
+    model write one, text before it included."""
+    block = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", "days": [1-3]\}\}'
+             r'\n</tool_call>')
+    kwargs = dict(messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"structured_outputs": {"regex": block}},
+                  **GREEDY)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+        names, arguments = [c.function.name for c in calls], [c.function.arguments for c in calls]
+    else:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+        names = [tc.function.name for tc in deltas if tc.id]
+        arguments = ["".join(tc.function.arguments for tc in deltas)]
+        finish = chunks[-1].choices[0].finish_reason
+    assert content.strip() == "Sure." and names == ["get_weather"] and finish == "tool_calls"
+    valid_weather(arguments[0])
+
+
+def test_a_tool_conversation_is_rendered_and_bad_tools_are_400(client, server):
+    arguments = '{"city": "Oslo", "days": 1}'
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    reply = client.chat.completions.create(messages=conversation, tools=TOOLS, max_tokens=4, **GREEDY)
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+    for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                         ({"tool_choice": "sometimes"}, "tool_choice"),
+                         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+                         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"messages": ASK, "tools": TOOLS, "max_tokens": 4, **GREEDY, **extra})
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=ASK, tool_choice="required", max_tokens=4, **GREEDY)
+    assert e.value.body["param"] == "tool_choice"
 
 
 def test_a_core_killed_mid_stream_resumes_the_grammar_from_the_tokens_streamed(client, server):
@@ -218,3 +313,4 @@ def test_in_process_mode_serves_structured_outputs(tiny_model):
         codes = d.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
     assert all(code == 0 for code in codes.values()), codes
+
