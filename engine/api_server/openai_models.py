@@ -210,7 +210,47 @@ class ChatMessage(OpenAIRequest):
     tool_call_id: str | None = None       # a tool's answer: to which call
 
 
-class ChatCompletionRequest(SamplingFields):
+class ToolUse:
+    """Tools and tool_choice, as a chat completion takes them (`chat_tools`, `chat_tool_choice`: the
+    Responses API converts its own); a forced choice becomes the request's JSON schema."""
+
+    def chat_tools(self) -> list[dict] | None:
+        return self.tools
+
+    def chat_tool_choice(self):
+        return self.tool_choice
+
+    def _check_tools(self) -> None:
+        """400s for malformed tools or tool_choice; a forced choice becomes the request's JSON schema."""
+        try:
+            tools = function_tools(self.chat_tools() or [])
+            forced_name(self.chat_tool_choice())
+            schema = forced_schema(tools, self.chat_tool_choice(), self.parallel_tool_calls) if tools else None
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        if self.tool_choice not in (None, "none", "auto") and not tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if schema is not None:
+            if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+                raise bad_request(f"tool_choice {self.tool_choice!r} forces its own JSON schema: it cannot be "
+                                  f"combined with response_format or structured_outputs", "tool_choice")
+            # without free whitespace: arguments are for machines, and a model could pad them until max_tokens
+            self.structured_outputs = StructuredOutputsField(json=schema, disable_any_whitespace=True)
+
+    def tool_mode(self) -> str:
+        """How the choices carry tool calls: none, auto, named or required (engine/api_server/chat_tools.py)."""
+        if not self.chat_tools() or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, dict):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (none under tool_choice "none")."""
+        return self.chat_tools() if self.tools and self.tool_choice != "none" else None
+
+
+class ChatCompletionRequest(ToolUse, SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -231,35 +271,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         return self
-
-    def _check_tools(self) -> None:
-        """400s for malformed tools or tool_choice; a forced choice becomes the request's JSON schema."""
-        try:
-            tools = function_tools(self.tools or [])
-            forced_name(self.tool_choice)
-            schema = forced_schema(tools, self.tool_choice, self.parallel_tool_calls) if tools else None
-        except ValueError as e:
-            raise bad_request(str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
-        if self.tool_choice not in (None, "none") and not tools:
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        if schema is not None:
-            if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
-                raise bad_request(f"tool_choice {self.tool_choice!r} forces its own JSON schema: it cannot be "
-                                  f"combined with response_format or structured_outputs", "tool_choice")
-            # without free whitespace: arguments are for machines, and a model could pad them until max_tokens
-            self.structured_outputs = StructuredOutputsField(json=schema, disable_any_whitespace=True)
-
-    def tool_mode(self) -> str:
-        """How the choices carry tool calls: none, auto, named or required (engine/api_server/chat_tools.py)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, dict):
-            return "named"
-        return "required" if self.tool_choice == "required" else "auto"
-
-    def template_tools(self) -> list[dict] | None:
-        """The tools the chat template shows the model (none under tool_choice "none")."""
-        return self.tools if self.tools and self.tool_choice != "none" else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -4,6 +4,8 @@ Input is a string (one user message) or a list of items: messages ({"role", "con
 string or input_text / output_text parts), and a tool conversation's function_call and
 function_call_output items. `instructions` comes first, as a system message. Not served (a 400 naming
 the field): `previous_response_id` (no response is stored), `n` > 1, and content other than text.
+Function tools ({"type": "function", "name", "parameters"}) and tool_choice work as on chat
+completions, which they are turned into.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import json
 from pydantic import Field, model_validator
 
 from engine.api_server.errors import bad_request
-from engine.api_server.openai_models import MAX_LOGPROBS, SamplingFields
+from engine.api_server.openai_models import MAX_LOGPROBS, SamplingFields, ToolUse
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(ToolUse, SamplingFields):
     """POST /v1/responses."""
 
     input: str | list[dict]
@@ -26,7 +28,7 @@ class ResponsesRequest(SamplingFields):
     max_output_tokens: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool = False
     metadata: dict | None = None
@@ -45,7 +47,21 @@ class ResponsesRequest(SamplingFields):
             raise bad_request(f"text.format {fmt.get('type')!r} is not supported here; use 'text'", "text")
         if isinstance(self.input, str) and not self.input:
             raise bad_request("input is empty", "input")
+        self._check_tools()
         return self
+
+    def chat_tools(self) -> list[dict] | None:
+        """The function tools in chat's shape ({"type": "function", "function": {...}})."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                if isinstance(t, dict) and t.get("type") == "function" else t for t in self.tools]
+
+    def chat_tool_choice(self):
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            return {"type": "function", "function": {"name": choice["name"]}}
+        return choice
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens

@@ -86,7 +86,7 @@ class ChatView:
         self.include_usage = body.include_usage
         self.num_top = body.top_logprobs or 0
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
-        self.tools = ChatTools(body.tool_mode(), body.tool_choice)
+        self.tools = ChatTools(body.tool_mode(), body.chat_tool_choice())
 
     def logprobs(self, r: ChoiceResult | ChoiceDelta) -> dict | None:
         if not self.body.logprobs:

@@ -1,5 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API over the chat template, whole or streamed as its events
-(response.created ... response.output_text.delta ... response.completed)."""
+(response.created ... response.output_text.delta ... response.completed). Tool calls are function_call
+items, read as on chat completions (engine/api_server/chat_tools.py); with tools, a streamed response's
+items come whole once the generation has ended (its text may turn out to be a call)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.api_server.answer import ClientDisconnected, json_response, open_stream, run_to_end, streaming_response
+from engine.api_server.chat_tools import ChatTools
 from engine.api_server.generation import ChoiceResult
 from engine.api_server.openai_models import check_token_ids
 from engine.api_server.responses_models import ResponsesRequest
@@ -25,7 +28,9 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     model = serving.check_model(body.model)
     serving.check_ready()
     limits = serving.limits()
-    text = serving.tokenizer.apply_chat_template(body.messages(), add_generation_prompt=True)
+    tools = body.template_tools()
+    text = serving.tokenizer.apply_chat_template(body.messages(), add_generation_prompt=True,
+                                                 **({"tools": tools} if tools else {}))
     prompt = await serving.tokenizer.encode_async(text, add_special_tokens=False)
     check_token_ids(prompt, limits.vocab_size, "input")
     params = body.sampling_params(len(prompt), limits)
@@ -51,6 +56,7 @@ class ResponseView:
         self.model, self.body, self.num_prompt_tokens = model, body, num_prompt_tokens
         self.created_at = int(time.time())
         self.sequence_number = 0
+        self.tools = ChatTools(body.tool_mode(), body.chat_tool_choice())
 
     def response(self, result: ChoiceResult | None) -> dict:
         """The response object: in progress (no result yet), completed, or incomplete (max_output_tokens)."""
@@ -61,7 +67,7 @@ class ResponseView:
             cut = result.finish_reason == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
-            output = [self.message(result.text, status)]
+            output = self.output(result.text, result.finish_reason, status)
             n = len(result.token_ids)
             usage = {"input_tokens": self.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
@@ -74,6 +80,16 @@ class ResponseView:
                 "previous_response_id": None, "store": False, "metadata": b.metadata or {},
                 "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
                 "user": b.user}
+
+    def output(self, text: str, finish_reason: str | None, status: str) -> list[dict]:
+        """The output items: the assistant's message, or its text before the calls and one function_call
+        item per call."""
+        message, _ = self.tools.message(text, finish_reason)
+        calls = message.get("tool_calls") or []
+        items = [self.message(message["content"], status)] if message["content"] or not calls else []
+        return items + [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed",
+                         "call_id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                        for c in calls]
 
     def message(self, text: str, status: str) -> dict:
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
@@ -95,11 +111,13 @@ class ResponseView:
 
 async def _events(view: ResponseView, first, deltas):
     result = ChoiceResult(0, view.num_prompt_tokens)
+    whole = view.tools.mode != "none"  # the text may turn out to be a call: items once it has ended
     try:
         yield view.event("response.created", response=view.response(None))
         yield view.event("response.in_progress", response=view.response(None))
-        yield view.event("response.output_item.added", output_index=0, item=view.message("", "in_progress"))
-        yield view.text_event("response.content_part.added", part=view.part(""))
+        if not whole:
+            yield view.event("response.output_item.added", output_index=0, item=view.message("", "in_progress"))
+            yield view.text_event("response.content_part.added", part=view.part(""))
         delta = first
         while delta is not None:
             if delta.finish_reason == "error":
@@ -107,15 +125,39 @@ async def _events(view: ResponseView, first, deltas):
                                  param=None)
                 return
             result.add(delta)
-            if delta.text:
+            if delta.text and not whole:
                 yield view.text_event("response.output_text.delta", delta=delta.text, logprobs=[])
             delta = await anext(deltas, None)
         done = view.response(result)
-        yield view.text_event("response.output_text.done", text=result.text, logprobs=[])
-        yield view.text_event("response.content_part.done", part=view.part(result.text))
-        yield view.event("response.output_item.done", output_index=0, item=done["output"][0])
+        for index, item in enumerate(done["output"]):
+            for event in _item_events(view, index, item, opened=not whole):
+                yield event
         # (also when cut by max_output_tokens, with status "incomplete" inside, as vLLM does: the openai
         # client's stream helper ends only on this event)
         yield view.event("response.completed", response=done)
     finally:
         await deltas.aclose()
+
+
+def _item_events(view: ResponseView, index: int, item: dict, opened: bool):
+    """The events of one finished output item; `opened`: the message whose text already streamed."""
+    if item["type"] == "function_call":
+        yield view.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"})
+        yield view.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=item["arguments"])
+        yield view.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         name=item["name"], arguments=item["arguments"])
+        yield view.event("response.output_item.done", output_index=index, item=item)
+        return
+    text = item["content"][0]["text"]
+    fields = dict(item_id=item["id"], output_index=index, content_index=0)
+    if not opened:
+        yield view.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                                 "content": []})
+        yield view.event("response.content_part.added", part=view.part(""), **fields)
+        if text:
+            yield view.event("response.output_text.delta", delta=text, logprobs=[], **fields)
+    yield view.event("response.output_text.done", text=text, logprobs=[], **fields)
+    yield view.event("response.content_part.done", part=view.part(text), **fields)
+    yield view.event("response.output_item.done", output_index=index, item=item)

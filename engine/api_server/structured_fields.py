@@ -62,7 +62,8 @@ def structured_outputs_of(response_format: ResponseFormat | None, field: Structu
         elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
             raise bad_request("response_format of type 'json_schema' needs json_schema.schema", param)
         else:
-            spec = StructuredOutputs(json=json.dumps(response_format.json_schema.schema_), disable_any_whitespace=compact)
+            spec = StructuredOutputs(json=json.dumps(response_format.json_schema.schema_),
+                                     disable_any_whitespace=compact)
     elif field is not None:
         schema = field.json_
         spec = StructuredOutputs(

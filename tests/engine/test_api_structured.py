@@ -274,6 +274,25 @@ def test_a_tool_conversation_is_rendered_and_bad_tools_are_400(client, server):
     assert e.value.body["param"] == "tool_choice"
 
 
+def test_responses_call_a_forced_function_whole_and_streamed(client):
+    """/v1/responses takes the flat function tools and returns function_call items (streamed: once the
+    generation ended, with the arguments' events)."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kwargs = dict(model="tiny", input="Weather in Oslo?", tools=tools, temperature=0.0, max_output_tokens=64,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    whole = client.responses.create(**kwargs)
+    (call,) = [o for o in whole.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and whole.status == "completed"
+    valid_weather(call.arguments)
+    with client.responses.stream(**kwargs) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", call.arguments)]
+    plain = client.responses.create(model="tiny", input="Hi", tools=tools, temperature=0.0, max_output_tokens=5)
+    assert [o.type for o in plain.output] == ["message"] and plain.usage.output_tokens >= 1
+
+
 def test_a_core_killed_mid_stream_resumes_the_grammar_from_the_tokens_streamed(client, server):
     """The replacement core rebuilds the request's grammar state from the tokens already streamed
     (AddRequest.output_token_ids): greedy, the text is the uninterrupted run's. Last: it replaces the core."""
