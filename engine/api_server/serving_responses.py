@@ -69,14 +69,22 @@ class ResponseView:
             incomplete = {"reason": "max_output_tokens"} if cut else None
             output = self.output(result.text, result.finish_reason, status)
             n = len(result.token_ids)
-            usage = {"input_tokens": self.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+            usage = {"input_tokens": self.num_prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                              "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                     "output_tokens": n,
+                     "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                               "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
                      "total_tokens": self.num_prompt_tokens + n}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "model": self.model, "output": output, "usage": usage, "error": None,
                 "incomplete_details": incomplete, "instructions": b.instructions,
-                "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
-                "parallel_tool_calls": b.parallel_tool_calls, "tool_choice": b.tool_choice, "tools": b.tools or [],
+                "max_output_tokens": b.max_output_tokens, "background": False,
+                "temperature": 1.0 if b.temperature is None else b.temperature,
+                "top_p": 1.0 if b.top_p is None else b.top_p,
+                "presence_penalty": b.presence_penalty, "frequency_penalty": b.frequency_penalty,
+                "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": b.tool_choice,
+                "tools": b.tools or [],
                 "previous_response_id": None, "store": False, "metadata": b.metadata or {},
                 "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
                 "user": b.user}

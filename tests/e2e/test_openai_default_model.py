@@ -77,6 +77,29 @@ def test_eos_has_no_stop_reason_and_echoed_prompt_logprobs_match_transformers(mu
                                                                       abs=1e-5)
 
 
+def test_parse_on_smollm2_gives_a_validated_object_for_20_prompts(multiprocess):
+    """Issue 21: chat.completions.parse with a pydantic model, on the real model, 20 prompts at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+
+    _, client = multiprocess
+    places = ["France", "Japan", "Italy", "Spain", "Kenya", "Peru", "Norway", "Egypt", "Chile", "Canada"]
+    prompts = [f"Give the capital of {p} as JSON." for p in places] + [f"Name a big city in {p}." for p in places]
+
+    def parse(prompt):
+        return client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                             response_format=City, max_tokens=60, temperature=0)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        cities = [c.choices[0].message.parsed for c in pool.map(parse, prompts)]
+    assert all(isinstance(c, City) and c.name for c in cities), cities
+    assert cities[0].name == "Paris", cities[0]
+
+
 def test_multibyte_output_streams_exactly_as_it_completes(multiprocess):
     _, client = multiprocess
     whole = client.chat.completions.create(model="smollm2", messages=JAPANESE, temperature=0, max_tokens=24)

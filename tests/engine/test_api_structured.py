@@ -111,12 +111,19 @@ def test_response_format_json_schema_on_completions_streamed_n2_sampled(client):
         valid_person(text)
 
 
-def test_parse_with_a_pydantic_model(client):
-    completion = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "who?"}],
-                                               response_format=Person, max_tokens=200, temperature=0.0,
-                                               extra_body={"structured_outputs": COMPACT})
-    person = completion.choices[0].message.parsed
-    assert isinstance(person, Person) and isinstance(person.age, int)
+PROMPTS = [f"{who}, {how}?" for who in ("who", "Name a poet", "A sailor", "Your aunt", "Someone")
+           for how in ("briefly", "in JSON", "now", "please")]
+
+
+def test_parse_with_a_pydantic_model_on_20_varied_prompts(client):
+    def parse(i, prompt):
+        return client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                             response_format=Person, max_tokens=200, temperature=0.0 if i % 2 else 1.0,
+                                             seed=i, extra_body={"structured_outputs": COMPACT})
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        completions = list(pool.map(parse, range(len(PROMPTS)), PROMPTS))
+    people = [c.choices[0].message.parsed for c in completions]
+    assert all(isinstance(p, Person) and 0 <= p.age <= 120 for p in people), people
 
 
 def test_sampled_seeded_structured_requests_validate_and_repeat(client):

@@ -142,3 +142,18 @@ def test_the_likely_token_to_go_on_from_is_where_the_clients_text_stopped_as_muc
     assert g.likely_keep(held=0) == 4 and g.likely_keep(held=99) is None
     g.rewind(3, " Once upon a")
     assert g.skip == 2 and g.marks[-1] == (3, 9)  # " time" is made again: the client gets "ime"
+
+
+def test_a_whole_response_puts_the_asked_ids_where_vllm_does():
+    """A completion's prompt_token_ids sit in its choice, a chat's at the top (the parity test found the
+    completion's at the top)."""
+    completion = Generation(COMPLETION, {"prompt": "x", "max_tokens": 2, "return_token_ids": True})
+    completion.on_chunk(chunk([5, 6], "ab", finish="length", prompt=[1, 2]))
+    whole = completion.response()
+    assert whole["choices"][0]["prompt_token_ids"] == [1, 2] and "prompt_token_ids" not in whole
+    assert whole["choices"][0]["token_ids"] == [5, 6]
+    chat = Generation(CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "return_token_ids": True})
+    chat.on_chunk(chunk([], "", prompt=[1, 2], kind=CHAT))
+    chat.on_chunk(chunk([5], "a", finish="stop", kind=CHAT))
+    whole = chat.response()
+    assert whole["prompt_token_ids"] == [1, 2] and "prompt_token_ids" not in whole["choices"][0]

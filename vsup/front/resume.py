@@ -219,8 +219,10 @@ class Generation:
                                       for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
         if self.wants_ids:
             choice["token_ids"] = list(self.generated)
+            if self.kind != CHAT:  # vLLM's places: a completion's choice, a chat response's top
+                choice["prompt_token_ids"] = list(self.prompt_ids or ())
         out = {**self._head(streamed=False), "choices": [choice], "usage": self.usage()}
-        if self.wants_ids:
+        if self.wants_ids and self.kind == CHAT:
             out["prompt_token_ids"] = list(self.prompt_ids or ())
         return out
 
