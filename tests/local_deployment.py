@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vsup import addresses
@@ -217,6 +219,14 @@ class LocalDeployment:
                 codes[name] = proc.wait()
         return codes
 
+    def stop_cleanly(self) -> None:
+        """Stop; AssertionError unless every process (not one a test replaced) exited 0 and none logged a
+        traceback (a request that made the server log one found a bug, even if it got its answer)."""
+        codes = {name: code for name, code in self.stop().items() if not name.startswith("replaced-")}
+        assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{self.log_tails()}"
+        tracebacks = [name for name in self.procs if "Traceback" in self.log(name)]
+        assert not tracebacks, "\n".join(f"--- {name}\n{self.log(name)[-3000:]}" for name in tracebacks)
+
     def log(self, name: str) -> str:
         """Everything process `name` (and its earlier holders) wrote."""
         path = self.run_dir / "logs" / f"{name}.log"
@@ -230,3 +240,19 @@ class LocalDeployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_tiny(tiny_model: Callable[[str], Path], **options) -> Iterator[LocalDeployment]:
+    """A module's server (`yield from` it in a fixture): the tiny test model, with the test tokenizer, in a
+    fresh short run dir (ipc:// paths have a 107-byte limit), ready; at the end stopped cleanly (see
+    `stop_cleanly`) before the run dir goes."""
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
+    d = LocalDeployment(with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model"), run_dir, **options)
+    try:
+        d.start()
+        d.wait_ready()
+        yield d
+        d.stop_cleanly()
+    finally:
+        d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -39,14 +39,14 @@ def deployment(model_dir) -> LocalDeployment:
 @pytest.fixture(scope="module")
 def server(model_dir):
     d = deployment(model_dir)
-    d.start()
     try:
+        d.start()
         d.wait_ready()
         yield d
+        d.stop_cleanly()
     finally:
-        codes = d.stop()
+        d.stop()
         shutil.rmtree(d.run_dir, ignore_errors=True)
-    assert codes["core-dp0"] == 0 and "Traceback" not in d.log("core-dp0"), d.log_tails()
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,8 @@ MALFORMED = [b"", b"{", b"[]", b'"text"', b"null", b'{"prompt": null}', b'{"prom
              b'{"prompt": "x", "seed": 1180591620717411303424}', b'{"prompt": "x", "n": 1000000000}',
              b'{"prompt": "x", "stop": [""], "max_tokens": 2, "best_of": 3}', b'{"prompt": [[1, 2], [-1]]}',
              b'{"prompt": "x", "stream": true, "max_tokens": 0}', b'{"prompt": "x", "stream_options": {}}',
-             b'{"messages": [{"role": "user"}], "max_tokens": "many"}', b'{"prompt": "x", "stream": true, "prompt_logprobs": 1}',
+             b'{"messages": [{"role": "user"}], "max_tokens": "many"}',
+             b'{"prompt": "x", "stream": true, "prompt_logprobs": 1}',
              b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}']
 
 

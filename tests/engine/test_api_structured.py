@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import LocalDeployment, serve_tiny, with_test_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -34,20 +34,9 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))  # short: ipc:// paths have a 107-byte limit
-    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
     limits = ("--max-grammar-bytes", str(MAX_GRAMMAR_BYTES), "--grammar-compile-timeout", "1")
-    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=512, kv_cache_bytes=4 << 20,
-                        api_args=limits, core_args=limits)
-    d.start()
-    try:
-        d.wait_ready()
-        yield d
-    finally:
-        codes = d.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    assert "Traceback" not in d.log("core-dp0"), d.log("core-dp0")[-3000:]
-    assert codes["a0"] == 0, codes
+    yield from serve_tiny(tiny_model, served_model_name="tiny", max_model_len=512, kv_cache_bytes=4 << 20,
+                          api_args=limits, core_args=limits)
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,12 @@ transformers' log-softmax), stop_reason, return_token_ids, and /tokenize's token
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import serve_tiny
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -23,19 +20,8 @@ PROMPT = "logprobs!"
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))  # short: ipc:// paths have a 107-byte limit
-    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
-    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=256, kv_cache_bytes=2 << 20,
-                        api_args=("--api-key", KEY), core_args=("--max-num-batched-tokens", "4"))
-    d.start()
-    try:
-        d.wait_ready()
-        yield d
-    finally:
-        codes = d.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    assert "Traceback" not in d.log("a0") or print(d.log("a0"))
-    assert codes["core-dp0"] == 0 and codes["a0"] == 0, codes
+    yield from serve_tiny(tiny_model, served_model_name="tiny", max_model_len=256, kv_cache_bytes=2 << 20,
+                          api_args=("--api-key", KEY), core_args=("--max-num-batched-tokens", "4"))
 
 
 @pytest.fixture(scope="module")
