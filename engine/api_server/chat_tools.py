@@ -61,9 +61,10 @@ class ChatTools:
             self.buffered[index] = self.buffered.get(index, "") + text
             if not final:
                 return {}
-            calls = forced_calls(self.buffered.pop(index), self.tool_choice)
-            if not calls:
-                return {"content": text} if text else {}
+            whole = self.buffered.pop(index)
+            calls = forced_calls(whole, self.tool_choice)
+            if not calls:  # cut short (max_tokens): the text as it came, as a whole choice has it
+                return {"content": whole} if whole else {}
             self.called.add(index)
             return {"tool_calls": [{"index": i, **c.to_json()} for i, c in enumerate(calls)]}
         return {"content": text} if text else {}
