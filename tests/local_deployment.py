@@ -247,7 +247,12 @@ def serve_tiny(tiny_model: Callable[[str], Path], **options) -> Iterator[LocalDe
     fresh short run dir (ipc:// paths have a 107-byte limit), ready; at the end stopped cleanly (see
     `stop_cleanly`) before the run dir goes."""
     run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
-    d = LocalDeployment(with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model"), run_dir, **options)
+    yield from running(LocalDeployment(with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model"), run_dir,
+                                       **options))
+
+
+def running(d: LocalDeployment) -> Iterator[LocalDeployment]:
+    """`d` started and ready; at the end stopped cleanly (see `stop_cleanly`) before its run dir goes."""
     try:
         d.start()
         d.wait_ready()
@@ -255,4 +260,4 @@ def serve_tiny(tiny_model: Callable[[str], Path], **options) -> Iterator[LocalDe
         d.stop_cleanly()
     finally:
         d.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(d.run_dir, ignore_errors=True)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.api_server.errors import bad_request
 from engine.api_server.structured_fields import ResponseFormat, StructuredOutputsField, structured_outputs_of
+from engine.api_server.chat_tools import AUTO, NAMED, NONE, REQUIRED
 from engine.api_server.tool_calls import forced_name, forced_schema, function_tools
 from engine.args import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.wire.sampling_params import SamplingParams
@@ -240,10 +241,10 @@ class ToolUse:
     def tool_mode(self) -> str:
         """How the choices carry tool calls: none, auto, named or required (engine/api_server/chat_tools.py)."""
         if not self.chat_tools() or self.tool_choice == "none":
-            return "none"
+            return NONE
         if isinstance(self.tool_choice, dict):
-            return "named"
-        return "required" if self.tool_choice == "required" else "auto"
+            return NAMED
+        return REQUIRED if self.tool_choice == "required" else AUTO
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template shows the model (none under tool_choice "none")."""

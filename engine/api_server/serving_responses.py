@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.api_server.answer import ClientDisconnected, json_response, open_stream, run_to_end, streaming_response
-from engine.api_server.chat_tools import ChatTools
+from engine.api_server.chat_tools import NONE, ChatTools
 from engine.api_server.generation import ChoiceResult
 from engine.api_server.openai_models import check_token_ids
 from engine.api_server.responses_models import ResponsesRequest
@@ -119,7 +119,7 @@ class ResponseView:
 
 async def _events(view: ResponseView, first, deltas):
     result = ChoiceResult(0, view.num_prompt_tokens)
-    whole = view.tools.mode != "none"  # the text may turn out to be a call: items once it has ended
+    whole = view.tools.mode != NONE  # the text may turn out to be a call: items once it has ended
     try:
         yield view.event("response.created", response=view.response(None))
         yield view.event("response.in_progress", response=view.response(None))

@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.local_deployment import LocalDeployment, with_test_tokenizer
+from tests.local_deployment import LocalDeployment, running, with_test_tokenizer
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,15 +38,7 @@ def deployment(model_dir) -> LocalDeployment:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    d = deployment(model_dir)
-    try:
-        d.start()
-        d.wait_ready()
-        yield d
-        d.stop_cleanly()
-    finally:
-        d.stop()
-        shutil.rmtree(d.run_dir, ignore_errors=True)
+    yield from running(deployment(model_dir))
 
 
 @pytest.fixture(scope="module")
