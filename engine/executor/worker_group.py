@@ -27,6 +27,7 @@ from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache
 
 log = structlog.get_logger("engine-core")
 CHECK_S = 0.5  # while waiting, look this often whether every worker still lives
+SEND_TIMEOUT_MS = 1000
 
 
 class WorkerGroupFailed(RuntimeError):
@@ -49,6 +50,7 @@ class WorkerGroup:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises, not vanishes
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # ... and one to a full pipe never blocks the core for good
         cluster.bind(self.sock, address)  # tcp:// (a group spanning nodes): CurveZMQ
         self.address, self.remote_address = address, remote_address
         self.epoch = secrets.token_hex(8)
@@ -112,9 +114,10 @@ class WorkerGroup:
             raise WorkerGroupFailed(f"{name} was replaced (pid {known.pid}, now {pid}); its node restarted it")
 
     def _send(self, identity: bytes, msg) -> None:
+        """Best effort: a worker that does not get it says READY again (every 2 s), and is answered again."""
         try:
-            self.sock.send_multipart([identity, encoder.encode(msg)])
-        except zmq.ZMQError:  # gone meanwhile (ROUTER_MANDATORY): nobody to answer
+            self.sock.send_multipart([identity, msg if isinstance(msg, bytes) else encoder.encode(msg)])
+        except zmq.ZMQError:  # gone meanwhile (ROUTER_MANDATORY), or its pipe is full (SNDTIMEO): not now
             pass
 
     def _check_alive(self) -> None:
@@ -166,11 +169,15 @@ class WorkerGroup:
                                                  wakeup_address=self.wakeup_address,
                                                  remote_address=self.remote_address or ""))
         for identity in self.workers:
-            self.sock.send_multipart([identity, payload])
-        done = 0
-        while done < self.world_size:
-            _, msg = self._recv(timeout_s, on_wait)
-            done += isinstance(msg, CacheReady)
+            self._send(identity, payload)
+        done: set[bytes] = set()
+        while len(done) < self.world_size:
+            identity, msg = self._recv(timeout_s, on_wait)
+            if isinstance(msg, CacheReady):
+                done.add(identity)
+            elif isinstance(msg, WorkerReady) and identity not in done:  # it still waits: ours did not reach it
+                log.info("sent the cache size again", worker=msg.name)
+                self._send(identity, payload)
         self.ring.wait_for_readers(timeout_s)
         if self.remote is not None:
             try:

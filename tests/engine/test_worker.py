@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -15,7 +16,8 @@ import zmq
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.wire.sampling_params import SamplingParams
 from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
-from engine.wire.worker_messages import WorkerReady, encoder
+from engine.ring.shm_broadcast import ShmBroadcastReader
+from engine.wire.worker_messages import CacheReady, InitializeCache, WorkerReady, encoder, to_worker
 from engine.worker.worker import Worker, WorkerConfig
 from tests.malformed import nested_too_deep
 
@@ -201,6 +203,44 @@ def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
     dropped = [e for e in logs if e["event"] == "dropped malformed message"]
     assert [e.get("num_frames") for e in dropped] == [3, None], logs
     assert "nested deeper" in dropped[1]["error"]
+
+
+def test_a_worker_that_missed_the_cache_size_gets_it_again(tmp_path):
+    """InitializeCache goes once; a worker that did not get it says READY again (as it does every 2 s while
+    it waits), and the group answers with the cache size again instead of waiting for its timeout."""
+    group = make_group(tmp_path, 1)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(f"ipc://{tmp_path}/w.sock")
+    ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
+                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
+                        epoch=group.epoch)
+    answers, ring = [], []
+
+    def worker():
+        peer.send(encoder.encode(ready))
+        answers.append(to_worker.decode(peer.recv()))  # lost, as far as this worker knows
+        peer.send(encoder.encode(ready))
+        msg = to_worker.decode(peer.recv())
+        answers.append(msg)
+        ring.append(ShmBroadcastReader.attach(msg.ring_name, 0, msg.wakeup_address))
+        peer.send(encoder.encode(CacheReady(name=ready.name, num_blocks=msg.num_blocks, kv_cache_bytes=1,
+                                            epoch=group.epoch)))
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        group.wait_for_ready(timeout_s=10)
+        with structlog.testing.capture_logs() as logs:
+            assert group.initialize_cache(timeout_s=10) == 8
+    finally:
+        thread.join(timeout=10)
+        for r in ring:
+            r.close()
+        peer.close(linger=0)
+        ctx.term()
+        group.close(shutdown_workers=False)
+    assert [type(a) for a in answers] == [InitializeCache, InitializeCache] and answers[0] == answers[1]
+    assert [e["worker"] for e in logs if e["event"] == "sent the cache size again"] == [ready.name]
 
 
 def test_default_model_answers_paris():
