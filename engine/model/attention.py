@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.distributed import ParallelGroups, layer_range
 from engine.model.config import ModelConfig
+from engine.ops import cpu_extension
 
 
 @dataclass
@@ -189,7 +190,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
 
 
 def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
-    """One query token per sequence, batched: query [B, H, D] -> [B, H, D]."""
+    """One query token per sequence, batched: query [B, H, D] -> [B, H, D]. On the CPU, engine/ops'
+    kernel reads the blocks in place; the gather and SDPA below are its fallback and reference."""
+    if (cpu_extension.is_available(query) and key_cache.dtype == query.dtype and key_cache.is_contiguous()
+            and query.stride(-1) == 1):
+        out = torch.empty(query.shape, dtype=query.dtype)
+        torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+        return out
+    return _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata)
+
+
+def _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
+    """The plain-torch decode attention: each sequence's blocks gathered, then SDPA."""
     block_size = key_cache.shape[1]
     shape = (query.shape[0], -(-max_len // block_size) * block_size, *key_cache.shape[2:])
     keys = _gather(key_cache, block_tables, max_len, metadata.scratch("keys", shape, key_cache))
