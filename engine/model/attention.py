@@ -115,6 +115,9 @@ def kv_cache_block_bytes(config: ModelConfig, groups: ParallelGroups, block_size
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new tokens' key/value [num_tokens, H_kv, D] at their slots (every slot must be valid)."""
+    if cpu_extension.is_available(key_cache) and key.dtype == key_cache.dtype:
+        torch.ops.vsup_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))

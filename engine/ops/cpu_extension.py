@@ -21,7 +21,8 @@ from pathlib import Path
 import structlog
 import torch
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: torch's own OpenMP runtime runs parallel_for
 
 log = structlog.get_logger(__name__)
@@ -42,7 +43,8 @@ def _name() -> str:
     """Changes with the sources, the flags, torch's version and the CPU (a build for another CPU's
     instructions would crash here, not fail)."""
     digest = hashlib.sha256()
-    for part in [torch.__version__, platform.machine(), _cpu_flags(), *FLAGS, *(p.read_text() for p in SOURCES)]:
+    sources = [p.read_text() for p in sorted(CSRC.iterdir())]  # the headers too
+    for part in [torch.__version__, platform.machine(), _cpu_flags(), *FLAGS, *sources]:
         digest.update(part.encode())
     return f"vsup_cpu_{digest.hexdigest()[:12]}"
 

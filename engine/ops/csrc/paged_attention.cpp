@@ -1,4 +1,5 @@
-// Decode attention over a paged KV cache on the CPU, read in place (no gather).
+// The paged KV cache on the CPU: new tokens' K/V written to their slots, and decode attention that
+// reads the blocks in place (no gather).
 //
 // Caches are [num_blocks, block_size, num_kv_heads, head_dim], float32, contiguous; query is
 // [num_seqs, num_heads, head_dim] with unit stride in its last dim (a view of the fused qkv output
@@ -11,9 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -29,27 +31,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
   return sum;
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp: exp(x) = 2^n e^r with
-// n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^7. Unlike std::exp it
-// vectorizes: the softmax of a long context would otherwise spend more time in exp than in the dots.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // below this 2^n is no longer a normal float; e^-87 is 0 to a softmax
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
 }
 
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
@@ -108,7 +89,7 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
       for (int64_t h = 0; h < span_heads; ++h) {
         float* row = scores.data() + h * len;
         const float top = *std::max_element(row, row + len);
-        for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
+        for (int64_t t = 0; t < len; ++t) row[t] = vsup::exp_nonpositive(row[t] - top);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) sum += row[t];
         const float inv = 1.f / sum;
@@ -129,10 +110,40 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   });
 }
 
+// key, value [T, Hkv, D] (rows may be strided, each row's heads contiguous) into the caches' flat
+// slots slot_mapping[t]: one row copy each, where index_copy_ goes element by element.
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
+                  key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "int64 slot_mapping");
+  const int64_t num_tokens = key.size(0), row = key_cache.size(2) * key_cache.size(3);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (const at::Tensor* x : {&key, &value}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == num_tokens && x->size(1) * x->size(2) == row &&
+                    x->stride(2) == 1 && x->stride(1) == x->size(2),
+                "key/value [T, Hkv, D] with each row contiguous");
+  }
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::memcpy(kc + slots[t] * row, k + t * key.stride(0), row * sizeof(float));
+    std::memcpy(vc + slots[t] * row, v + t * value.stride(0), row * sizeof(float));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vsup_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()",
         &paged_attention_decode);
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
+        &write_kv);
 }
