@@ -7,11 +7,20 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "vec_math.h"
 
 namespace {
+
+// Rows per task: below about this many elements a second thread costs more than it saves (torch's
+// own pointwise ops use the same grain), so small batches run on the calling thread alone.
+constexpr int64_t kGrainElements = 32768;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
 
 void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, what, ": float32 only");
@@ -29,7 +38,7 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
   float* rp = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* xi = xp + i * xs;
       float* ri = rp + i * rs;
@@ -62,7 +71,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t xt = x.stride(0), xh = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_rows(heads * 2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * cs;
       const float* s = sp + t * ss;
@@ -88,7 +97,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(3 * size), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* gate = xp + i * xs;
       const float* up = gate + size;

@@ -19,6 +19,7 @@
 
 namespace {
 
+constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds of q.k below which one thread does it all
 constexpr int64_t kLanes = 16;  // independent partial sums: the loop vectorizes without reordering a sum
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -64,10 +65,14 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= max_blocks * block_size, "seq_len past its block table");
   }
 
-  // a task reads whole K/V rows of a sequence (contiguous memory); few sequences split by KV head
+  // A task reads whole K/V rows of a sequence (contiguous memory); few sequences split by KV head.
+  // Little work in all (a short context, one sequence) stays on the calling thread.
   const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t span = num_kv_heads / splits, span_heads = span * group;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t span = num_kv_heads / splits, span_heads = span * group, num_tasks = num_seqs * splits;
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
+  const int64_t grain = total_len * num_heads * head_dim < kSerialWork ? std::max<int64_t>(num_tasks, 1) : 1;
+  at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(span_heads * head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / splits, first_kv = (task % splits) * span, len = lens[seq];
