@@ -1,5 +1,8 @@
-"""Paged attention in plain torch: write new K/V into cache blocks, then
-attend over each sequence's blocks.
+"""Paged attention: write new K/V into cache blocks, then attend over each sequence's blocks.
+
+In plain torch, except where engine/ops has a kernel: on the CPU (float32) the K/V write and
+decode attention (engine/ops/csrc, which reads the blocks in place), on CUDA decode attention
+(Triton). The torch code stays as their fallback and the reference they are tested against.
 
 Cache layout, per layer: key and value caches of shape
 [num_blocks, block_size, num_kv_heads // tp, head_dim]. Token j of a sequence
@@ -138,8 +141,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     key, value: this step's K/V [num_tokens, H_kv, D], packed like query, when the caller has
     them: a prefill chunk with no cached context before it reads them instead of the cache.
 
-    Any mix of prefill chunks and single-token decodes is served in torch;
-    CUDA decode-only batches (power-of-two block size) go to engine/ops' Triton kernel.
+    Any mix of prefill chunks and single-token decodes is served; prefill chunks in torch,
+    decodes by engine/ops' CPU kernel where it loaded (else in torch); CUDA decode-only batches
+    (power-of-two block size) go to engine/ops' Triton kernel.
     """
     block_size = key_cache.shape[1]
     if query.is_cuda and metadata.is_decode_only and block_size & (block_size - 1) == 0:

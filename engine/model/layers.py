@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
         self.weight = _empty(groups, dtype, size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None and cpu_extension.is_available(x) and x.dim() == residual.dim() == 2:
+        if (residual is not None and cpu_extension.is_available(x) and x.dim() == residual.dim() == 2
+                and x.stride(-1) == residual.stride(-1) == 1):
             torch.ops.vsup_cpu.add_rms_norm_(x, residual, self.weight, self.eps)  # both in place, one pass
             return x, residual
         if residual is not None:
