@@ -14,9 +14,10 @@
 
 namespace {
 
-// Rows per task: below about this many elements a second thread costs more than it saves (torch's
-// own pointwise ops use the same grain), so small batches run on the calling thread alone.
-constexpr int64_t kGrainElements = 32768;
+// Rows per task: about this many elements each. torch's pointwise ops split at 32768; these stay
+// on the calling thread up to 8x that, which covers decode batches: a parallel region saves
+// microseconds there, and when other work shares the cores it can cost a whole time slice.
+constexpr int64_t kGrainElements = 1 << 18;
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
