@@ -43,14 +43,13 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
     for (int64_t i = begin; i < end; ++i) {
       float* xi = xp + i * xs;
       float* ri = rp + i * rs;
-      float lanes[16] = {};
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < size; ++j) {
         const float h = ri[j] + xi[j];
         ri[j] = h;
-        lanes[j % 16] += h * h;
+        sum += h * h;
       }
-      float sum = 0.f;
-      for (float lane : lanes) sum += lane;
       const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
       for (int64_t j = 0; j < size; ++j) xi[j] = ri[j] * inv * w[j];
     }
@@ -100,12 +99,13 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain_rows(3 * size), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* gate = xp + i * xs;
-      const float* up = gate + size;
-      float* o = op + i * os;
+      const float* __restrict gate = xp + i * xs;
+      const float* __restrict up = gate + size;
+      float* __restrict o = op + i * os;
+      // silu(g) = g / (1 + e^-g), from e = e^-|g| so that exp never overflows
+      for (int64_t j = 0; j < size; ++j) o[j] = vsup::exp_nonpositive(-std::fabs(gate[j]));
       for (int64_t j = 0; j < size; ++j) {
-        // silu(g) = g / (1 + e^-g), from e = e^-|g| so that exp never overflows
-        const float g = gate[j], e = vsup::exp_nonpositive(-std::fabs(g));
+        const float g = gate[j], e = o[j];
         o[j] = (g >= 0.f ? g : g * e) / (1.f + e) * up[j];
       }
     }

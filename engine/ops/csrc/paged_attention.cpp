@@ -20,17 +20,10 @@
 namespace {
 
 constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds of q.k below which one thread does it all
-constexpr int64_t kLanes = 16;  // independent partial sums: the loop vectorizes without reordering a sum
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
-  }
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float sum = 0.f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
