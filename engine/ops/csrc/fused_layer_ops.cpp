@@ -97,7 +97,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, grain_rows(3 * size), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* __restrict gate = xp + i * xs;
       const float* __restrict up = gate + size;
