@@ -14,6 +14,8 @@ install: $(STAMP)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
 	# written (PYTHONDONTWRITEBYTECODE), every `vsup plan` would compile vsup from source (+12% start)
 	$(BIN)/python -m compileall -q vsup engine
+	# the CPU kernels of engine/ops/csrc, compiled once for this machine (else in the first worker's start)
+	$(BIN)/python -m engine.ops.cpu_extension
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

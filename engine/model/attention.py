@@ -1,5 +1,8 @@
-"""Paged attention in plain torch: write new K/V into cache blocks, then
-attend over each sequence's blocks.
+"""Paged attention: write new K/V into cache blocks, then attend over each sequence's blocks.
+
+In plain torch, except where engine/ops has a kernel: on the CPU (float32) the K/V write and
+decode attention (engine/ops/csrc, which reads the blocks in place), on CUDA decode attention
+(Triton). The torch code stays as their fallback and the reference they are tested against.
 
 Cache layout, per layer: key and value caches of shape
 [num_blocks, block_size, num_kv_heads // tp, head_dim]. Token j of a sequence
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.distributed import ParallelGroups, layer_range
 from engine.model.config import ModelConfig
+from engine.ops import cpu_extension
 
 
 @dataclass
@@ -114,6 +118,9 @@ def kv_cache_block_bytes(config: ModelConfig, groups: ParallelGroups, block_size
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new tokens' key/value [num_tokens, H_kv, D] at their slots (every slot must be valid)."""
+    if cpu_extension.is_available(key_cache) and key.dtype == key_cache.dtype:
+        torch.ops.vsup_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
@@ -134,8 +141,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     key, value: this step's K/V [num_tokens, H_kv, D], packed like query, when the caller has
     them: a prefill chunk with no cached context before it reads them instead of the cache.
 
-    Any mix of prefill chunks and single-token decodes is served in torch;
-    CUDA decode-only batches (power-of-two block size) go to engine/ops' Triton kernel.
+    Any mix of prefill chunks and single-token decodes is served; prefill chunks in torch,
+    decodes by engine/ops' CPU kernel where it loaded (else in torch); CUDA decode-only batches
+    (power-of-two block size) go to engine/ops' Triton kernel.
     """
     block_size = key_cache.shape[1]
     if query.is_cuda and metadata.is_decode_only and block_size & (block_size - 1) == 0:
@@ -189,7 +197,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
 
 
 def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
-    """One query token per sequence, batched: query [B, H, D] -> [B, H, D]."""
+    """One query token per sequence, batched: query [B, H, D] -> [B, H, D]. On the CPU, engine/ops'
+    kernel reads the blocks in place; the gather and SDPA below are its fallback and reference."""
+    if (cpu_extension.is_available(query) and key_cache.dtype == query.dtype and key_cache.is_contiguous()
+            and query.stride(-1) == 1):
+        out = torch.empty(query.shape, dtype=query.dtype)
+        torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+        return out
+    return _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata)
+
+
+def _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
+    """The plain-torch decode attention: each sequence's blocks gathered, then SDPA."""
     block_size = key_cache.shape[1]
     shape = (query.shape[0], -(-max_len // block_size) * block_size, *key_cache.shape[2:])
     keys = _gather(key_cache, block_tables, max_len, metadata.scratch("keys", shape, key_cache))

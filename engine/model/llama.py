@@ -16,6 +16,7 @@ from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                                  RowParallelLinear, VocabParallelEmbedding, rotate)
+from engine.ops import cpu_extension
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,7 +59,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, groups, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_extension.is_available(gate_up) and gate_up.dim() == 2:
+            out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            torch.ops.vsup_cpu.silu_and_mul(gate_up, out)
+            return self.down_proj(out)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 

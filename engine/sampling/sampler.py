@@ -105,6 +105,15 @@ class SamplingMetadata:
         )
 
 
+def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row's next token is the argmax of its logits and nothing else is asked: greedy,
+    no penalties, no logprobs, no stop token held back by min_tokens. A batch of such rows (and no
+    grammar) skips SamplingMetadata and the Sampler: the Sampler would return that argmax."""
+    return (params.is_greedy and params.logprobs is None and params.presence_penalty == 0
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1
+            and num_output_tokens >= params.min_tokens)
+
+
 @dataclass
 class SamplerOutput:
     """The sampled token of each row and, when any row asked, logprobs.

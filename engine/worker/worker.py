@@ -14,6 +14,7 @@ from engine.distributed import ParallelGroups
 from engine.model.attention import kv_cache_block_bytes
 from engine.model.config import ModelConfig, eos_token_ids
 from engine.model.loader import load_model
+from engine.ops import cpu_extension
 from engine.progress import ProgressReporter
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.wire.worker_messages import WorkerReady
@@ -88,6 +89,8 @@ class Worker:
         with contextlib.closing(ProgressReporter("loading weights", log)) as progress:
             model = load_model(cfg.model, self.groups, config=model_config, progress=progress)
         self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model))
+        if cfg.device == "cpu":
+            cpu_extension.load()  # built on first use on this machine: here, not inside a step
         self.load_seconds = time.monotonic() - start
         log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}",
                  weight_bytes=self.weight_bytes, seconds=round(self.load_seconds, 2))

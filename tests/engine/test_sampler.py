@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_generator
+from engine.sampling.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_generator, needs_only_argmax
 from engine.wire.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -200,6 +200,25 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,))]
     out = sample(logits, params, outputs=[[0], [0], [0, 0]], eos_token_id=1)
     assert out.sampled_token_ids.tolist() == [3, 1, 1]
+
+
+@pytest.mark.parametrize("params, num_outputs, only_argmax", [
+    (SamplingParams(temperature=0), 0, True),
+    (SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)), 2, True),  # min_tokens reached
+    (SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)), 1, False),
+    (SamplingParams(temperature=0, logprobs=0), 0, False),
+    (SamplingParams(temperature=0, presence_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0, frequency_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0, repetition_penalty=1.2), 0, False),
+    (SamplingParams(temperature=0.7), 0, False),
+])
+def test_needs_only_argmax_is_exactly_where_the_sampler_returns_the_argmax(params, num_outputs, only_argmax):
+    """The model runner's greedy fast path takes the argmax for rows this says need nothing else."""
+    assert needs_only_argmax(params, num_outputs) is only_argmax
+    if only_argmax:
+        logits = random_logits(4)
+        out = sample(logits, [params] * 4, outputs=[[0] * num_outputs] * 4, eos_token_id=1)
+        assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist() and out.sampled_logprobs is None
 
 
 # logprobs

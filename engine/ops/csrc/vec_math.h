@@ -1,0 +1,30 @@
+// Small math that vectorizes, shared by the kernels of this folder.
+
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace vsup {
+
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp: exp(x) = 2^n e^r with
+// n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^7. Unlike std::exp it
+// vectorizes: the softmax of a long context would otherwise spend more time in exp than in the dots.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // below this 2^n is no longer a normal float; e^-87 is 0 to a softmax
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // 2^n
+}
+
+}  // namespace vsup

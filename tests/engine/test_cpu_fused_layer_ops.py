@@ -1,0 +1,102 @@
+"""engine/ops' fused CPU layer kernels (norm + residual, rotary, SiLU-and-mul, the KV write)
+against the plain-torch code they replace, and the fallback when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.distributed import ParallelGroups
+from engine.model.attention import AttentionMetadata, write_kv
+from engine.model.layers import RMSNorm, RotaryEmbedding, rotate
+from engine.ops import cpu_extension
+
+pytestmark = pytest.mark.skipif(not cpu_extension.is_available(torch.empty(0)),
+                                reason="the CPU kernels could not be built here (no compiler or ninja)")
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=GEN)
+
+
+@pytest.fixture
+def plain_torch(monkeypatch):
+    """Run the code below as if the kernels could not be built."""
+    def switch():
+        monkeypatch.setattr(cpu_extension, "is_available", lambda tensor: False)
+    return switch
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_add_rms_norm_equals_add_then_rms_norm(rows, plain_torch):
+    norm = RMSNorm(576, 1e-5, ParallelGroups.single(), torch.float32)
+    norm.weight.data.copy_(randn(576))
+    x, residual = randn(rows, 576), randn(rows, 576) * 3
+    out, new_residual = norm(x.clone(), residual.clone())
+    plain_torch()
+    expected, expected_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_rotary_in_place_equals_the_torch_rotation(tokens, plain_torch):
+    rope = RotaryEmbedding(64, 4096, 10000.0, None, ParallelGroups.single(), torch.float32)
+    positions = torch.randint(0, 4096, (tokens,), generator=GEN)
+    # q and k heads of the fused projection's output, as the model rotates them: a strided view
+    qkv = randn(tokens, (9 + 3 + 3) * 64)
+    qk = qkv[:, :12 * 64].view(tokens, 12, 64)
+    v_before = qkv[:, 12 * 64:].clone()
+    expected_input = qk.clone()
+    out = rotate(qk, rope(positions))
+    assert out.data_ptr() == qk.data_ptr()
+    torch.testing.assert_close(qkv[:, 12 * 64:], v_before)  # v untouched
+    plain_torch()
+    expected = rotate(expected_input, rope(positions))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_silu_and_mul_equals_silu_times_up(rows):
+    gate_up = randn(rows, 2 * 1536) * 8  # large |gate| too: e^-g must neither overflow nor lose silu's sign
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -1e-3])
+    out = torch.empty(rows, 1536)
+    torch.ops.vsup_cpu.silu_and_mul(gate_up, out)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch):
+    # slots at a block's end and at the start of the next, from two sequences sharing a first block
+    metadata = AttentionMetadata.build([15, 16, 3], [1, 2, 1], [[2, 5], [2, 7], [4]], block_size=16)
+    num_blocks = 8 * 16 // block_size
+    qkv = randn(4, 5 * 2 * 64)
+    key = qkv[:, :5 * 64].view(4, 5, 64)[:, 1:3]  # a strided view, as the model's k
+    value = qkv[:, 5 * 64:].view(4, 5, 64)[:, :2].contiguous()
+    caches = [torch.zeros(num_blocks, block_size, 2, 64) for _ in range(4)]
+    write_kv(key, value, caches[0], caches[1], metadata.slot_mapping)
+    plain_torch()
+    write_kv(key, value, caches[2], caches[3], metadata.slot_mapping)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_write_kv_rejects_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.vsup_cpu.write_kv(randn(1, 2, 64), randn(1, 2, 64), cache, cache.clone(), torch.tensor([32]))
+
+
+def test_a_failed_build_leaves_plain_torch(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def fail(**kwargs):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    assert cpu_extension.load.__wrapped__() is False
+    monkeypatch.setenv("VSUP_CPU_KERNELS", "0")
+    assert cpu_extension.load.__wrapped__() is False
+

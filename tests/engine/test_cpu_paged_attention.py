@@ -1,0 +1,102 @@
+"""engine/ops' CPU decode-attention kernel against the plain-torch path it replaces (gather + SDPA).
+
+Ragged batches, contexts that end exactly at a block boundary or one token into a new block,
+sequences that share their first blocks (prefix-cache hits), GQA groups, a query that is a view
+of the fused qkv output, and both ways the kernel splits work (few sequences: by KV head).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import attention
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.ops import cpu_extension
+
+pytestmark = pytest.mark.skipif(not cpu_extension.is_available(torch.empty(0)),
+                                reason="the CPU kernels could not be built here (no compiler or ninja)")
+
+BLOCK_SIZE = 16
+
+
+def make_batch(seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, shared_blocks=0, seed=0):
+    """Random caches and block tables for sequences of `seq_lens` tokens (the last one this step's);
+    the first `shared_blocks` blocks of every table are the same physical blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = 1 + shared_blocks + sum(max(0, n - shared_blocks) for n in needed)
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    free = (torch.randperm(num_blocks - 1 - shared_blocks, generator=gen) + 1 + shared_blocks).tolist()
+    tables = [list(range(1, 1 + min(shared_blocks, n))) + [free.pop() for _ in range(max(0, n - shared_blocks))]
+              for n in needed]
+    metadata = AttentionMetadata.build([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, BLOCK_SIZE)
+    # the query as the model has it: a view of the fused q/k/v projection, rows not contiguous
+    qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv[:, :num_heads], key_cache, value_cache, metadata
+
+
+def kernel_and_torch(query, key_cache, value_cache, metadata, scale):
+    out = torch.empty(query.shape)
+    torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, metadata.block_tables,
+                                              metadata.seq_lens, scale, out)
+    expected = attention._decode_attention_torch(query, key_cache, value_cache, metadata.block_tables,
+                                                 metadata.seq_lens, metadata.max_seq_len, scale, metadata)
+    return out, expected
+
+
+@pytest.mark.parametrize("seq_lens", [
+    [1],  # the first token of a sequence
+    [16], [17], [32], [33],  # a block filled exactly, one token into the next
+    [5, 16, 17, 80, 1, 47],  # ragged
+    list(range(1, 70, 3)),  # more sequences than threads: whole sequences per task
+])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+def test_kernel_equals_the_torch_path(seq_lens, heads):
+    num_heads, num_kv_heads = heads
+    query, key_cache, value_cache, metadata = make_batch(seq_lens, num_heads, num_kv_heads)
+    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, 64 ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared_blocks", [1, 2])
+def test_kernel_reads_shared_prefix_blocks(shared_blocks):
+    """Prefix-cache hits: several sequences' tables start with the same physical blocks."""
+    query, key_cache, value_cache, metadata = make_batch([33, 40, 48, 49, 64], shared_blocks=shared_blocks)
+    assert len({tuple(t[:shared_blocks]) for t in metadata.block_tables.tolist()}) == 1
+    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_handles_large_scores_and_an_odd_head_dim():
+    """Scores far from 0 (the softmax subtracts its maximum) and a head_dim the vector lanes don't divide."""
+    query, key_cache, value_cache, metadata = make_batch([3, 20, 41], num_heads=6, num_kv_heads=2, head_dim=40)
+    out, expected = kernel_and_torch(query * 30, key_cache, value_cache, metadata, 40 ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_sequence_gives_zeros():
+    query, key_cache, value_cache, metadata = make_batch([5, 9])
+    metadata.seq_lens[1] = 0
+    out = torch.full(query.shape, float("nan"))
+    torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, metadata.block_tables,
+                                              metadata.seq_lens, 0.125, out)
+    assert out[1].eq(0).all() and not out[0].isnan().any()
+
+
+def test_kernel_rejects_a_context_longer_than_its_table():
+    query, key_cache, value_cache, metadata = make_batch([5, 9])
+    metadata.seq_lens[0] = BLOCK_SIZE + 1
+    with pytest.raises(RuntimeError, match="past its block table"):
+        torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, metadata.block_tables,
+                                                  metadata.seq_lens, 0.125, torch.empty(query.shape))
+
+
+def test_paged_attention_takes_the_kernel_and_falls_back_without_it(monkeypatch):
+    """paged_attention's decode path: the kernel, and without it the torch path, the same values."""
+    query, key_cache, value_cache, metadata = make_batch([7, 16, 17, 30])
+    with_kernel = paged_attention(query, key_cache, value_cache, metadata, 0.125)
+    monkeypatch.setattr(cpu_extension, "is_available", lambda tensor: False)
+    without = paged_attention(query, key_cache, value_cache, metadata, 0.125)
+    torch.testing.assert_close(with_kernel, without, atol=1e-5, rtol=1e-5)
