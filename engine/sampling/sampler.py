@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.ops import cpu_extension
 from engine.sampling.grammar_bitmask import apply_grammar_bitmask
 from engine.wire.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -113,6 +114,16 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
             and params.frequency_penalty == 0 and params.repetition_penalty == 1
             and num_output_tokens >= params.min_tokens)
 
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> long [N], their argmax: on the CPU (float32) engine/ops' vectorized kernel,
+    several times faster than torch's at a decode batch's width of vocabulary."""
+    if cpu_extension.is_available(logits) and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1:
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        torch.ops.vsup_cpu.argmax_rows(logits, out)
+        return out
+    return logits.argmax(dim=-1)
 
 @dataclass
 class SamplerOutput:

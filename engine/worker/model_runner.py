@@ -16,7 +16,7 @@ from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling.grammar_bitmask import bitmask_from_bytes
 from engine.sampling.prompt_logprobs import prompt_logprobs
-from engine.sampling.sampler import (Sampler, SamplingMetadata, exponential_noise, make_generator,
+from engine.sampling.sampler import (Sampler, SamplingMetadata, exponential_noise, greedy_tokens, make_generator,
                                      needs_only_argmax)
 from engine.wire.sampling_params import SamplingParams
 from engine.wire.scheduler_output import (GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SchedulerOutput,
@@ -172,7 +172,7 @@ class ModelRunner:
                 logits: torch.Tensor, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         if (grammar is None or not grammar.req_ids) and all(
                 needs_only_argmax(s.sampling, len(s.token_ids) - s.num_prompt_tokens) for s in states):
-            return ModelRunnerOutput(step_id=step_id, req_ids=req_ids, sampled_token_ids=logits.argmax(dim=-1).tolist())
+            return ModelRunnerOutput(step_id=step_id, req_ids=req_ids, sampled_token_ids=greedy_tokens(logits).tolist())
         metadata = SamplingMetadata.from_params(
             [s.sampling for s in states], [s.output_token_ids for s in states], [s.generator for s in states],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],

@@ -1,0 +1,35 @@
+"""engine/ops' CPU argmax (the greedy token) against torch's: ties, NaN, -inf rows, strided rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops import cpu_extension
+from engine.sampling.sampler import greedy_tokens
+
+pytestmark = pytest.mark.skipif(not cpu_extension.is_available(torch.empty(0)),
+                                reason="the CPU kernels could not be built here (no compiler or ninja)")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("size", [1, 7, 49152])
+def test_greedy_tokens_equal_torch_argmax(rows, size):
+    logits = torch.randn(rows, size, generator=torch.Generator().manual_seed(rows * size))
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+def test_ties_nan_and_minus_inf_as_torch():
+    logits = torch.zeros(5, 40)
+    logits[0, [3, 17]] = 2.0  # a tie: the first
+    logits[1, 30], logits[1, 5] = float("nan"), 9.0  # a NaN after the maximum wins
+    logits[2, [8, 20]] = float("nan")  # the first NaN
+    logits[3] = float("-inf")
+    logits[4, 39] = float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+def test_rows_of_a_padded_vocabulary():
+    padded = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    logits = padded[:, :90]  # what the LM head returns when its shard is padded
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
