@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> None:
                 [[name, v, f"{v / base:.2f}"] for name, v in pre["tokens_per_s"].items()])
     results["decode"] = [compare_decode(sides, b, args.steps, vocab_size) for b in args.batches]
     print_table(f"decode step, ms (median of {args.steps} steps, EngineCore.step)",
-                ["batch", *SIDES, *(f"{n}/f32" for n in list(SIDES)[1:]), *(f"{n} rows = f32" for n in list(SIDES)[1:])],
-                [[r["batch"], *r["ms"].values(), *(f"{r['ms'][n] / r['ms']['f32 packed']:.2f}" for n in list(SIDES)[1:]),
+                ["batch", *SIDES, *(f"{n}/f32" for n in list(SIDES)[1:]),
+                 *(f"{n} rows = f32" for n in list(SIDES)[1:])],
+                [[r["batch"], *r["ms"].values(),
+                  *(f"{r['ms'][n] / r['ms']['f32 packed']:.2f}" for n in list(SIDES)[1:]),
                   *(f"{r['rows_agree_with_f32'][n]:.0%}" for n in list(SIDES)[1:])] for r in results["decode"]])
     for side in sides.values():
         side.executor.close()

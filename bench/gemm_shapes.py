@@ -135,7 +135,8 @@ def compare_stack(rows_list: list[int], rounds: int, stat: str, num_layers: int 
         stacks[name] = [(packed_linear((torch.randn(o, i) / i ** 0.5).to(dtype), 16), i, dtype) for o, i in shapes]
     out = []
     for rows in rows_list:
-        inputs = {(i, dtype): torch.randn(rows, i).to(dtype) for _, i, dtype in stacks["f32 packed"] + stacks["bf16 packed"]}
+        inputs = {(i, dtype): torch.randn(rows, i).to(dtype)
+                  for _, i, dtype in stacks["f32 packed"] + stacks["bf16 packed"]}
 
         def run(stack):
             for fn, i, dtype in stack:
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     if "f32" in args.parts:
         f32 = {"F.linear": lambda w, rows: dense_linear(w), "packed": lambda w, rows: packed_linear(w, 16),
                "packed@rows": lambda w, rows: packed_linear(w, rows)}
-        results["f32"] = compare_shapes(f32, dict.fromkeys(f32, torch.float32), args.rows, shapes, args.rounds, args.stat)
+        results["f32"] = compare_shapes(f32, dict.fromkeys(f32, torch.float32), args.rows, shapes, args.rounds,
+                                        args.stat)
         results["square"] = compare_square(args.rounds, args.stat)
         print_shapes(f"float32 GFLOP/s ({of}; a square 1024^3 mm: "
                      f"{results['square']['gflops']:.0f})", results["f32"], "packed")
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         print_shapes(f"bfloat16 against float32, GFLOP/s ({of}; one weight, hot in cache)",
                      results["bf16"], "f32 packed")
     if "stack" in args.parts:
-        results["stack"] = compare_stack(args.bf16_rows, args.rounds, args.stat, 2 if args.mode == "smoke" else NUM_LAYERS)
+        results["stack"] = compare_stack(args.bf16_rows, args.rounds, args.stat,
+                                         2 if args.mode == "smoke" else NUM_LAYERS)
         print_table(f"every linear of the model, back to back ({of})",
                     ["rows", "f32 ms", "bf16 ms", "f32 GFLOP/s", "bf16 GFLOP/s", "bf16/f32 time"],
                     [[r["rows"], r["ms"]["f32 packed"], r["ms"]["bf16 packed"], r["gflops"]["f32 packed"],

@@ -181,15 +181,21 @@ def test_malformed_message_is_dropped_and_logged(tmp_path, tiny_model):
     assert events.count("dropped malformed message") == 2  # one on the socket, one in the ring
 
 
-def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
-    """A worker sends one frame: the group logs and drops anything else, and still takes the READY after it."""
-    group = make_group(tmp_path, 1)
+def stand_in(tmp_path, group):
+    """A stand-in worker of a group of one: (its context, its DEALER, connected, and the READY it would send)."""
     ctx = zmq.Context()
     peer = ctx.socket(zmq.DEALER)
     peer.connect(f"ipc://{tmp_path}/w.sock")
     ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
                         block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
                         epoch=group.epoch)
+    return ctx, peer, ready
+
+
+def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
+    """A worker sends one frame: the group logs and drops anything else, and still takes the READY after it."""
+    group = make_group(tmp_path, 1)
+    ctx, peer, ready = stand_in(tmp_path, group)
     try:
         peer.send_multipart([b"\xc1", b"two frames"])
         peer.send(nested_too_deep(encoder.encode(ready), 5000))
@@ -209,12 +215,7 @@ def test_a_worker_that_missed_the_cache_size_gets_it_again(tmp_path):
     """InitializeCache goes once; a worker that did not get it says READY again (as it does every 2 s while
     it waits), and the group answers with the cache size again instead of waiting for its timeout."""
     group = make_group(tmp_path, 1)
-    ctx = zmq.Context()
-    peer = ctx.socket(zmq.DEALER)
-    peer.connect(f"ipc://{tmp_path}/w.sock")
-    ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
-                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
-                        epoch=group.epoch)
+    ctx, peer, ready = stand_in(tmp_path, group)
     answers, ring = [], []
 
     def worker():
