@@ -40,6 +40,7 @@ REPEAT_S = 10.0  # a refused peer retries every ~100 ms: one log line per kind a
 # every tcp:// connection pings its peer this often, and drops a connection silent for HEARTBEAT_TIMEOUT_MS
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CONNECT_TIMEOUT_MS = 5000  # a connection attempt unanswered this long is begun afresh
+BIND_RETRY_S = 5.0  # how long a bind waits for a port that one of our own closed sockets still holds
 
 
 class NoSecret(RuntimeError):
@@ -87,13 +88,24 @@ def _heartbeat(sock: zmq.Socket) -> None:
 
 
 def bind(sock: zmq.Socket, address: str) -> None:
-    """Bind; on tcp:// as the CURVE server of the cluster's keys, with heartbeats."""
+    """Bind; on tcp:// as the CURVE server of the cluster's keys, with heartbeats.
+
+    A socket closed just before at the same address (a worker group formed again) frees its port only
+    once ZeroMQ's I/O thread gets to it: EADDRINUSE is retried for BIND_RETRY_S, then raised."""
     if is_remote(address):
         _heartbeat(sock)
         keys = _keys(address)
         sock.curve_secretkey, sock.curve_publickey = keys.server_secret, keys.server_public
         sock.curve_server = True
-    sock.bind(address)
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 def connect(sock: zmq.Socket, address: str) -> None:

@@ -254,7 +254,7 @@ class EngineCoreProc:
         for sock in (*self.clients, self.control, *([self.coordinator] if self.coordinator else []),
                      *([self.waves] if self.waves is not None else [])):
             sock.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # and any socket a failure left open, which would hang term() for good
 
     # messages
 

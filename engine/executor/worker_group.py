@@ -51,7 +51,14 @@ class WorkerGroup:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises, not vanishes
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # ... and one to a full pipe never blocks the core for good
-        cluster.bind(self.sock, address)  # tcp:// (a group spanning nodes): CurveZMQ
+        # a worker restarted under the same name may connect before its old connection is found dead (a node
+        # lost: heartbeats, 5 s); the new connection takes the name over instead of being ignored until then
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            cluster.bind(self.sock, address)  # tcp:// (a group spanning nodes): CurveZMQ
+        except zmq.ZMQError as e:  # the core forms the group again, or fails past --worker-timeout
+            self.sock.close(linger=0)
+            raise WorkerGroupFailed(f"cannot bind the workers' socket {address}: {e}") from e
         self.address, self.remote_address = address, remote_address
         self.epoch = secrets.token_hex(8)
         self.workers: dict[bytes, WorkerReady] = {}
@@ -164,7 +171,10 @@ class WorkerGroup:
         num_remote = sum(w.node_rank != 0 for w in self.workers.values())
         self.ring = ShmBroadcastWriter.create(self.ring_prefix, self.world_size - num_remote, self.wakeup_address)
         if num_remote:
-            self.remote = TcpBroadcastWriter(self.remote_address, num_remote, self.ctx)
+            try:
+                self.remote = TcpBroadcastWriter(self.remote_address, num_remote, self.ctx)
+            except zmq.ZMQError as e:
+                raise WorkerGroupFailed(f"cannot bind the step stream {self.remote_address}: {e}") from e
         payload = encoder.encode(InitializeCache(num_blocks=num_blocks, ring_name=self.ring.name,
                                                  wakeup_address=self.wakeup_address,
                                                  remote_address=self.remote_address or ""))

@@ -29,7 +29,11 @@ class TcpBroadcastWriter:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)        # never drop a step
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every reader's subscription reaches us
-        cluster.bind(self.sock, address)  # tcp://: with ZeroMQ's heartbeats
+        try:
+            cluster.bind(self.sock, address)  # tcp://: with ZeroMQ's heartbeats
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
         self.subscribed = 0
 
     def wait_for_readers(self, timeout: float) -> None:

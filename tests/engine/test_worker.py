@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import socket
 import threading
 
 import psutil
@@ -17,7 +18,8 @@ from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.wire.sampling_params import SamplingParams
 from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 from engine.ring.shm_broadcast import ShmBroadcastReader
-from engine.wire.worker_messages import CacheReady, InitializeCache, WorkerReady, encoder, to_worker
+from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, WorkerReady, encoder,
+                                         to_worker)
 from engine.worker.worker import Worker, WorkerConfig
 from tests.malformed import nested_too_deep
 
@@ -186,10 +188,14 @@ def stand_in(tmp_path, group):
     ctx = zmq.Context()
     peer = ctx.socket(zmq.DEALER)
     peer.connect(f"ipc://{tmp_path}/w.sock")
-    ready = WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
-                        block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
-                        epoch=group.epoch)
-    return ctx, peer, ready
+    return ctx, peer, stand_in_ready(group)
+
+
+def stand_in_ready(group) -> WorkerReady:
+    """The READY of a stand-in `worker dp0 pp0 tp0` (this process) for `group`."""
+    return WorkerReady(name="worker dp0 pp0 tp0", pid=os.getpid(), dp=0, pp=0, tp=0, device="cpu", num_blocks=8,
+                       block_size=BLOCK, weight_bytes=1, kv_bytes_per_block=1, rss_bytes=1, load_seconds=0.0,
+                       epoch=group.epoch)
 
 
 def test_group_drops_a_message_of_more_frames_or_nested_too_deep(tmp_path):
@@ -216,6 +222,7 @@ def test_a_worker_that_missed_the_cache_size_gets_it_again(tmp_path):
     it waits), and the group answers with the cache size again instead of waiting for its timeout."""
     group = make_group(tmp_path, 1)
     ctx, peer, ready = stand_in(tmp_path, group)
+    peer.setsockopt(zmq.RCVTIMEO, 10_000)  # a group that never answers fails the test, not hangs it
     answers, ring = [], []
 
     def worker():
@@ -227,7 +234,7 @@ def test_a_worker_that_missed_the_cache_size_gets_it_again(tmp_path):
         ring.append(ShmBroadcastReader.attach(msg.ring_name, 0, msg.wakeup_address))
         peer.send(encoder.encode(CacheReady(name=ready.name, num_blocks=msg.num_blocks, kv_cache_bytes=1,
                                             epoch=group.epoch)))
-    thread = threading.Thread(target=worker)
+    thread = threading.Thread(target=worker, daemon=True)
     thread.start()
     try:
         group.wait_for_ready(timeout_s=10)
@@ -261,3 +268,68 @@ def test_default_model_answers_paris():
     worker.initialize_cache(worker.ready_report().num_blocks)
     tokens = drive(worker.execute, {"q": prompt}, 9, chunk=64, block_size=16)["q"]
     assert tokenizer.decode(tokens, skip_special_tokens=True).startswith("The capital of France is Paris.")
+
+
+def test_a_group_formed_again_waits_for_its_port_and_otherwise_fails_cleanly(tmp_path, monkeypatch):
+    """A group spanning nodes binds the same tcp:// address each generation. The previous generation's
+    socket frees it only once ZeroMQ's I/O thread gets to it: the new group waits for the port rather
+    than crash the core with EADDRINUSE. A port held for good fails the group (the core forms it again),
+    and leaves no socket open, which would hang the core's exit in zmq_ctx_term."""
+    from engine import cluster
+
+    monkeypatch.setenv(cluster.SECRET_ENV, "test-secret")
+    holder = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    ctx = zmq.Context()
+    threading.Timer(0.5, holder.close).start()  # what the old generation's close does, a moment late
+    group = WorkerGroup(address, 1, ring_prefix=f"vsup-test-{tmp_path.name}",
+                        wakeup_address=f"ipc://{tmp_path}/wakeup.sock", ctx=ctx)
+    group.close()
+
+    monkeypatch.setattr(cluster, "BIND_RETRY_S", 0.3)
+    holder = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    try:
+        # held, as the core's exception is while it closes: its traceback keeps the half-made group alive
+        with pytest.raises(WorkerGroupFailed, match=f"cannot bind the workers' socket {address}") as failed:
+            WorkerGroup(address, 1, ring_prefix=f"vsup-test-{tmp_path.name}",
+                        wakeup_address=f"ipc://{tmp_path}/wakeup.sock", ctx=ctx)
+    finally:
+        holder.close()
+    term = threading.Thread(target=ctx.term, daemon=True)  # returns only once no socket is left open
+    term.start()
+    term.join(timeout=5)
+    assert not term.is_alive(), f"the failed group left its socket open ({failed.value})"
+
+
+def test_a_worker_reconnecting_under_its_name_is_answered_while_its_old_connection_lingers(tmp_path):
+    """A node's restarted worker may connect before the group finds its old connection dead (heartbeats
+    take 5 s after a node is lost): the new connection takes the name over, rather than go unheard."""
+    group = make_group(tmp_path, 1)
+    ctx = zmq.Context()
+    old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (old, new):
+        sock.setsockopt(zmq.IDENTITY, b"worker dp0 pp0 tp0")
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+    ready = stand_in_ready(group)
+    answers = []
+
+    def worker():
+        old.connect(f"ipc://{tmp_path}/w.sock")
+        old.send(encoder.encode(JoinGroup(name=ready.name, pid=1)))
+        answers.append(to_worker.decode(old.recv()))
+        new.connect(f"ipc://{tmp_path}/w.sock")  # the old one stays connected
+        new.send(encoder.encode(JoinGroup(name=ready.name, pid=os.getpid())))
+        answers.append(to_worker.decode(new.recv()))
+        new.send(encoder.encode(ready))
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        assert group.wait_for_ready(timeout_s=10) == [ready]
+        assert answers == [GroupEpoch(group.epoch)] * 2
+    finally:
+        thread.join(timeout=10)
+        for sock in (old, new):
+            sock.close(linger=0)
+        ctx.term()
+        group.close(shutdown_workers=False)
