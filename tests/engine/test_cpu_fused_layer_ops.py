@@ -3,6 +3,8 @@ against the plain-torch code they replace, and the fallback when the kernels can
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,9 +13,7 @@ from engine.distributed import ParallelGroups
 from engine.model.attention import AttentionMetadata, write_kv
 from engine.model.layers import RMSNorm, RotaryEmbedding, rotate
 from engine.ops import cpu_extension
-
-pytestmark = pytest.mark.skipif(not cpu_extension.is_available(torch.empty(0)),
-                                reason="the CPU kernels could not be built here (no compiler or ninja)")
+from tests.engine.cpu_kernels import built, spy  # noqa: F401 (built: autouse)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -70,7 +70,7 @@ def test_silu_and_mul_equals_silu_times_up(rows):
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch):
+def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch, monkeypatch):
     # slots at a block's end and at the start of the next, from two sequences sharing a first block
     metadata = AttentionMetadata.build([15, 16, 3], [1, 2, 1], [[2, 5], [2, 7], [4]], block_size=16)
     num_blocks = 8 * 16 // block_size
@@ -78,7 +78,9 @@ def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch):
     key = qkv[:, :5 * 64].view(4, 5, 64)[:, 1:3]  # a strided view, as the model's k
     value = qkv[:, 5 * 64:].view(4, 5, 64)[:, :2].contiguous()
     caches = [torch.zeros(num_blocks, block_size, 2, 64) for _ in range(4)]
+    calls = spy(monkeypatch, "write_kv")
     write_kv(key, value, caches[0], caches[1], metadata.slot_mapping)
+    assert calls == ["write_kv"]
     plain_torch()
     write_kv(key, value, caches[2], caches[3], metadata.slot_mapping)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -95,8 +97,11 @@ def test_a_failed_build_leaves_plain_torch(monkeypatch):
 
     def fail(**kwargs):
         raise RuntimeError("no compiler")
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # load() may put pip's ninja on it
     monkeypatch.setattr(cpp_extension, "load", fail)
     assert cpu_extension.load.__wrapped__() is False
-    monkeypatch.setenv("VSUP_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: None)  # a build that works ...
+    assert cpu_extension.load.__wrapped__() is True
+    monkeypatch.setenv("VSUP_CPU_KERNELS", "0")  # ... is not even tried when switched off
     assert cpu_extension.load.__wrapped__() is False
 

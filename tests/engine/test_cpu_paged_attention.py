@@ -13,9 +13,7 @@ import torch
 from engine.model import attention
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.ops import cpu_extension
-
-pytestmark = pytest.mark.skipif(not cpu_extension.is_available(torch.empty(0)),
-                                reason="the CPU kernels could not be built here (no compiler or ninja)")
+from tests.engine.cpu_kernels import built, spy  # noqa: F401 (built: autouse)
 
 BLOCK_SIZE = 16
 
@@ -96,7 +94,9 @@ def test_kernel_rejects_a_context_longer_than_its_table():
 def test_paged_attention_takes_the_kernel_and_falls_back_without_it(monkeypatch):
     """paged_attention's decode path: the kernel, and without it the torch path, the same values."""
     query, key_cache, value_cache, metadata = make_batch([7, 16, 17, 30])
+    calls = spy(monkeypatch, "paged_attention_decode")
     with_kernel = paged_attention(query, key_cache, value_cache, metadata, 0.125)
+    assert calls == ["paged_attention_decode"]
     monkeypatch.setattr(cpu_extension, "is_available", lambda tensor: False)
     without = paged_attention(query, key_cache, value_cache, metadata, 0.125)
     torch.testing.assert_close(with_kernel, without, atol=1e-5, rtol=1e-5)
