@@ -5,17 +5,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml Makefile | cksum | cut -d' ' -f1)
+KERNELS := $(VENV)/.cpu-kernels
 # two pytest-xdist workers, each module whole on one, the longest first (tests/conftest.py)
 PYTEST_ARGS ?= --durations=15 -n 2
 
 .PHONY: install serve test vllm bench bench-quick bench-smoke gpu-wheels clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
 	# written (PYTHONDONTWRITEBYTECODE), every `vsup plan` would compile vsup from source (+12% start)
 	$(BIN)/python -m compileall -q vsup engine
-	# the CPU kernels of engine/ops/csrc, compiled once for this machine (else in the first worker's start)
+
+# the CPU kernels of engine/ops/csrc, compiled once for this machine (else in the first worker's start)
+$(KERNELS): $(STAMP) $(wildcard engine/ops/csrc/*) engine/ops/cpu_extension.py
 	$(BIN)/python -m engine.ops.cpu_extension
+	touch $@
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

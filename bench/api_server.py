@@ -7,8 +7,8 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
     (greedy, ignore_eos, distinct short prompts), through every side in one run, round by
     round, the order rotating, each run on settled cores (`common.settle`: right after a run
     vLLM-CPU's processes spin for a while, which cost the side measured next up to 2x its TTFT):
-    - vsup: `vsup serve` with its defaults (API server, engine core and worker processes; the
-      worker on every core), streaming completions;
+    - vsup: `vsup serve` with its defaults plus any --vsup-flags (API server, engine core and
+      worker processes), streaming completions;
     - transformers `generate` in this process (torch threads = every core): the C prompts as one
       left-padded batch, and one request at a time (a few measured; the others queue behind
       them, so stream k's TTFT is the k requests before it plus its own);
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     with Children(grace_s=30) as children, tempfile.TemporaryDirectory(prefix="vsup-bench-serve-") as tmp:
         servers: dict = {}
         try:
-            if "a" in parts:  # vsup serve as a user runs it: the default settings
+            if "a" in parts:  # vsup serve as a user runs it: the defaults, plus --vsup-flags
                 device = ["--device", args.device] if args.device else []
                 memory = ["--gpu-memory-utilization", "0.3"] if on_gpu else []  # the rest for transformers
                 servers["vsup"] = vsup_serve(children, tmp, *device, *memory, *args.vsup_flags.split(),

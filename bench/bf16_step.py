@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 
-from common import add_mode_args, median_ms, mode, print_table, setup, write_results
+from common import add_mode_args, median_ms, mode, print_table, rotated, setup, write_results
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import InprocExecutor
@@ -92,7 +92,7 @@ def compare_prefill(sides: dict[str, Side], n: int, length: int, rounds: int, vo
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i in range(rounds + 1):  # round 0 warms up
         batch = prompts(rng, n, length, vocab_size)
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             core = sides[name].core()
             start = time.perf_counter()
             for j, p in enumerate(batch):
@@ -117,7 +117,7 @@ def compare_decode(sides: dict[str, Side], batch: int, steps: int, vocab_size: i
             cores[name].add_request(AddRequest(f"d{batch}-{j}", p, sampling))
     spent = {name: [] for name in names}
     for i in range(1 + warmup + steps):  # step 0 is the prefill
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             start = time.perf_counter()
             updates = cores[name].step()
             if i > warmup:

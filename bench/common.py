@@ -151,6 +151,12 @@ def interleaved(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return spent
 
 
+def rotated(items: list, i: int) -> list:
+    """`items` starting at its i-th (mod its length): round i's order, so that each runs first in turn."""
+    k = i % len(items)
+    return items[k:] + items[:k]
+
+
 def ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs else float("nan")
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import add_mode_args, mode, print_table, setup, write_results
+from common import add_mode_args, mode, print_table, rotated, setup, write_results
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 NUM_LAYERS = 30
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--rows", default="64,128,256,512,1024,2048", help="float32 rows (prefill chunk sizes)")
     p.add_argument("--bf16-rows", default="1,16,64,512", help="rows of the bfloat16 comparison")
-    p.add_argument("--rounds", type=int, default=None, help="samples per variant (quick 5, full 11)")
+    p.add_argument("--rounds", type=int, default=None, help="samples per variant (quick 7, full 21)")
     p.add_argument("--parts", default="f32,bf16,stack", help="which comparisons to run")
     p.add_argument("--stat", choices=STATS, default="median", help="the figure of a variant's rounds (default median)")
     args = p.parse_args(argv)
@@ -84,7 +84,7 @@ def side_by_side(cases: dict[str, Callable[[], object]], rounds: int) -> dict[st
     counts = {name: calls_per_sample(cases[name]) for name in names}
     spent: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             fn, n = cases[name], counts[name]
             start = time.perf_counter()
             for _ in range(n):

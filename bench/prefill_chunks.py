@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from common import add_mode_args, mode, print_table, setup, write_results
+from common import add_mode_args, mode, print_table, rotated, setup, write_results
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler_config import SchedulerConfig
 from engine.executor.executor import InprocExecutor
@@ -122,7 +122,7 @@ def compare_chunks(executor: CountingExecutor, vocab_size: int, chunks: list[int
     floor, rng = Floor(executor), random.Random(0)
     spent = {c: {"prefill_s": [], "floor_s": [], "steps": None} for c in chunks}
     for i in range(rounds + 1):  # round 0 warms every chunk size up
-        for chunk in chunks[i % len(chunks):] + chunks[:i % len(chunks)]:
+        for chunk in rotated(chunks, i):
             prompts = [[rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)] for _ in range(num_prompts)]
             seconds = prefill(executor, vocab_size, chunk, prompts, i * 1000 + chunk)
             steps = executor.steps
@@ -135,8 +135,7 @@ def compare_chunks(executor: CountingExecutor, vocab_size: int, chunks: list[int
     rows = []
     for chunk, s in spent.items():
         prefill_s, floor_s = statistics.median(s["prefill_s"]), statistics.median(s["floor_s"])
-        rows.append({"workload": f"{num_prompts}x{prompt_len}", "chunk": chunk, "num_steps": len(s["steps"]),
-                     "steps": s["steps"], **{k: v for k, v in s.items() if k != "steps"},
+        rows.append({"workload": f"{num_prompts}x{prompt_len}", "chunk": chunk, "num_steps": len(s["steps"]), **s,
                      "tokens_per_s": tokens / prefill_s, "gemm_share": floor_s / prefill_s,
                      "gemm_gflops": floor.flop_per_row * tokens / floor_s / 1e9})
     return rows

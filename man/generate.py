@@ -118,9 +118,10 @@ ENVIRONMENT = {
                  "VSUP_NICE (its nice value) go with it.",
     "VSUP_PACKED_LINEAR": "0 makes CPU workers run their linear layers through F.linear instead of "
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
-    "VSUP_CPU_KERNELS": "0 makes CPU workers run decode attention, the fused norm, rotary and SiLU in plain torch "
-                        "instead of the kernels of engine/ops/csrc (built once per machine by `make install`, or "
-                        "at a worker's first start, into torch's extension cache; same results).",
+    "VSUP_CPU_KERNELS": "0 makes CPU workers run decode attention, the KV write, the fused norm, rotary, "
+                        "SiLU and the greedy argmax in plain torch instead of the kernels of engine/ops/csrc "
+                        "(built once per machine by `make install`, or at a worker's first start, into torch's "
+                        "extension cache; the same values up to float rounding).",
     "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "
                         "PYTHONPATH: the supervisor's socket that every process of the tree connects its stdout "
                         "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have), VSUP_HOOK_SHM_LOG "

@@ -61,7 +61,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_extension.is_available(gate_up) and gate_up.dim() == 2:
-            out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             torch.ops.vsup_cpu.silu_and_mul(gate_up, out)
             return self.down_proj(out)
         gate, up = gate_up.chunk(2, dim=-1)

@@ -4,8 +4,9 @@ They are compiled with the C++ compiler on first use (about 15 s, with torch's c
 and ninja), for this CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR,
 else ~/.cache/torch_extensions), where later processes find them in milliseconds;
 `make install` builds them ahead (`python -m engine.ops.cpu_extension`). Where the build fails
-(no compiler, no ninja) or VSUP_CPU_KERNELS=0, `load()` says False once in the log and the
-callers keep their plain-torch path, which computes the same values.
+(no compiler, no ninja), `load()` says why once in the log and returns False, as it does
+under VSUP_CPU_KERNELS=0; the callers then keep their plain-torch path, which computes the same
+values up to float rounding.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _name() -> str:
     """Changes with the sources, the flags, torch's version and the CPU (a build for another CPU's
     instructions would crash here, not fail)."""
     digest = hashlib.sha256()
-    sources = [p.read_text() for p in sorted(CSRC.iterdir())]  # the headers too
+    sources = [p.read_text() for p in sorted([*SOURCES, *CSRC.glob("*.h")])]
     for part in [torch.__version__, platform.machine(), _cpu_flags(), *FLAGS, *sources]:
         digest.update(part.encode())
     return f"vsup_cpu_{digest.hexdigest()[:12]}"

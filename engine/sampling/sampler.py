@@ -99,8 +99,7 @@ class SamplingMetadata:
             max_top_k=(max(p.top_k for p in sampled)
                        if sampled and all(p.top_k > 0 for p in sampled) else None),
             is_all_greedy=not sampled,
-            has_penalties=any(p.presence_penalty != 0 or p.frequency_penalty != 0
-                              or p.repetition_penalty != 1 for p in params),
+            has_penalties=any(p.has_penalties for p in params),
             has_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             has_min_p=any(p.min_p > 0 for p in sampled),
         )
@@ -110,10 +109,8 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's next token is the argmax of its logits and nothing else is asked: greedy,
     no penalties, no logprobs, no stop token held back by min_tokens. A batch of such rows (and no
     grammar) skips SamplingMetadata and the Sampler: the Sampler would return that argmax."""
-    return (params.is_greedy and params.logprobs is None and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1
+    return (params.is_greedy and params.logprobs is None and not params.has_penalties
             and num_output_tokens >= params.min_tokens)
-
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -124,6 +121,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         torch.ops.vsup_cpu.argmax_rows(logits, out)
         return out
     return logits.argmax(dim=-1)
+
 
 @dataclass
 class SamplerOutput:

@@ -52,6 +52,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         """True when the row takes the argmax instead of sampling."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalties change the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range field and its allowed range."""
         _check(math.isfinite(self.temperature) and self.temperature >= 0,

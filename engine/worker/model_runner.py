@@ -38,6 +38,10 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def num_output_tokens(self) -> int:  # without the copy of output_token_ids: asked every step
+        return len(self.token_ids) - self.num_prompt_tokens
+
 
 class ModelRunner:
     """Runs steps of one model shard over its paged KV cache."""
@@ -170,14 +174,14 @@ class ModelRunner:
 
     def _sample(self, step_id: int, req_ids: list[str], states: list[RequestState],
                 logits: torch.Tensor, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        if (grammar is None or not grammar.req_ids) and all(
-                needs_only_argmax(s.sampling, len(s.token_ids) - s.num_prompt_tokens) for s in states):
+        has_grammar = grammar is not None and bool(grammar.req_ids)
+        if not has_grammar and all(needs_only_argmax(s.sampling, s.num_output_tokens) for s in states):
             return ModelRunnerOutput(step_id=step_id, req_ids=req_ids, sampled_token_ids=greedy_tokens(logits).tolist())
         metadata = SamplingMetadata.from_params(
             [s.sampling for s in states], [s.output_token_ids for s in states], [s.generator for s in states],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
             eos_token_id=self.eos_token_id, device=self.device)
-        if grammar is not None and grammar.req_ids:
+        if has_grammar:
             row_of = {req_id: i for i, req_id in enumerate(req_ids)}
             metadata.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], device=self.device)
             metadata.grammar_bitmask = bitmask_from_bytes(grammar.data, len(grammar.req_ids), self.device)
