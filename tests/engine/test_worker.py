@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-import socket
 import threading
 
 import psutil
@@ -80,9 +80,9 @@ def test_in_process_worker_greedy_equals_transformers(tiny_model, hf_greedy):
     assert drive(worker.execute, PROMPTS, 32) == hf_greedy(model_dir, {r: (p, 32) for r, p in PROMPTS.items()})
 
 
-def make_group(tmp_path, world_size):
-    return WorkerGroup(f"ipc://{tmp_path}/w.sock", world_size, ring_prefix=f"vsup-test-{tmp_path.name}",
-                       wakeup_address=f"ipc://{tmp_path}/wakeup.sock")
+def make_group(tmp_path, world_size, address=None, **options):
+    return WorkerGroup(address or f"ipc://{tmp_path}/w.sock", world_size, ring_prefix=f"vsup-test-{tmp_path.name}",
+                       wakeup_address=f"ipc://{tmp_path}/wakeup.sock", **options)
 
 
 def spawn_group(tmp_path, model_dir, tp, pp):
@@ -282,9 +282,7 @@ def test_a_group_formed_again_waits_for_its_port_and_otherwise_fails_cleanly(tmp
     address = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
     ctx = zmq.Context()
     threading.Timer(0.5, holder.close).start()  # what the old generation's close does, a moment late
-    group = WorkerGroup(address, 1, ring_prefix=f"vsup-test-{tmp_path.name}",
-                        wakeup_address=f"ipc://{tmp_path}/wakeup.sock", ctx=ctx)
-    group.close()
+    make_group(tmp_path, 1, address, ctx=ctx).close()
 
     monkeypatch.setattr(cluster, "BIND_RETRY_S", 0.3)
     holder = socket.create_server(("127.0.0.1", 0))
@@ -292,8 +290,7 @@ def test_a_group_formed_again_waits_for_its_port_and_otherwise_fails_cleanly(tmp
     try:
         # held, as the core's exception is while it closes: its traceback keeps the half-made group alive
         with pytest.raises(WorkerGroupFailed, match=f"cannot bind the workers' socket {address}") as failed:
-            WorkerGroup(address, 1, ring_prefix=f"vsup-test-{tmp_path.name}",
-                        wakeup_address=f"ipc://{tmp_path}/wakeup.sock", ctx=ctx)
+            make_group(tmp_path, 1, address, ctx=ctx)
     finally:
         holder.close()
     term = threading.Thread(target=ctx.term, daemon=True)  # returns only once no socket is left open
