@@ -380,3 +380,103 @@ def test_text_held_back_for_a_stop_string_is_not_lost_at_a_cut(front, stand_in):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == fault_free_text("hello", 12)
     assert len(stand_in.bodies[1]["prompt"]) == 5 + 4  # from the last token whose text the client got
     assert any("held_back_tokens" in line for line in front.lines)
+
+
+@pytest.fixture
+def slow_front(stand_in):
+    """A front whose tree takes 3 s to come back, 15 times its keep-alive interval and 3 times its
+    clients' read timeout (a vLLM tree takes 45 s to 4 minutes on two cores)."""
+    f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20",
+              "--keepalive", "0.2")
+    f.client = f.client.with_options(timeout=1.0)
+
+    def restarted(gen):
+        f.tell(gen - 1, False)
+        threading.Timer(3.0, f.tell, args=(gen, True)).start()
+    stand_in.on_death = restarted
+    try:
+        f.tell(1, True)
+        wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, timeout=10, what="the front sees the tree")
+        yield f
+    finally:
+        f.close()
+
+
+def raw_stream(front, prompt: str, **body) -> list[str]:
+    """The lines of an SSE stream as a client with a 1 s read timeout gets them."""
+    with httpx.stream("POST", f"{front.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": prompt, "stream": True, **body}, timeout=1.0) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line]
+
+
+def texts_of(lines: list[str]) -> str:
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+
+def test_a_stream_held_through_a_long_restart_is_kept_alive_past_its_read_timeout(slow_front, stand_in):
+    """The tree dies under two streams and is back 3 s later; each client gives up after 1 s of silence.
+    The front's SSE comments keep both streams open, the official client skips them, and both go on
+    with the tokens of a run without the fault."""
+    stand_in.tokens_per_s = 50
+    stand_in.die_after = 5
+    official: dict = {}
+
+    def run():
+        chunks = slow_front.client.completions.create(model="tiny", prompt="story", max_tokens=12, stream=True)
+        official["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+    thread = threading.Thread(target=run)
+    thread.start()
+    lines = raw_stream(slow_front, "hello", max_tokens=12)
+    thread.join(30)
+    assert stand_in.gen == 2  # one death, under both
+    assert texts_of(lines) == fault_free_text("hello", 12) and official == {"text": fault_free_text("story", 12)}
+    assert lines.count(": keep-alive") >= 10 and lines[-1] == "data: [DONE]"
+
+
+def test_a_stream_asked_for_while_no_tree_is_up_begins_and_waits_for_one(slow_front, stand_in):
+    """A stream asked for while the tree is down is begun after --keepalive, kept alive until a tree is
+    up, then served; what vLLM then rejects arrives as the stream's error event, as vLLM sends one."""
+    slow_front.tell(1, False)
+    threading.Timer(3.0, slow_front.tell, args=(2, True)).start()
+    results: dict = {}
+
+    def rejected():
+        try:
+            list(slow_front.client.completions.create(model="tiny", prompt="x", max_tokens=999, stream=True))
+        except openai.APIError as e:
+            results["rejected"] = e
+    thread = threading.Thread(target=rejected)
+    thread.start()
+    lines = raw_stream(slow_front, "late", max_tokens=6)
+    thread.join(30)
+    assert texts_of(lines) == fault_free_text("late", 6) and ": keep-alive" in lines
+    assert "max_tokens too big" in str(results["rejected"])
+    assert [b["max_tokens"] for b in stand_in.bodies] in ([6, 999], [999, 6])  # each sent once, when a tree was up
+
+
+def test_a_client_that_leaves_while_its_suspect_request_waits_does_not_block_the_next_suspect(slow_front,
+                                                                                              stand_in):
+    """A request resumed after killing the tree waits for the next one alone among suspects; its client
+    leaving meanwhile must free that turn, or every later suspect would wait for good."""
+    with httpx.stream("POST", f"{slow_front.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": f"a {POISON}", "max_tokens": 8, "stream": True},
+                      timeout=5.0) as response:
+        lines = response.iter_lines()  # (held: a dropped iterator closes the stream)
+        next(line for line in lines if line.startswith("data: {"))  # begun, then the tree died under it
+        wait_for(lambda: any("resuming a request" in line for line in slow_front.lines), timeout=5,
+                 what="the poison request waiting for the next tree")
+    # (the client left before the tree was back)
+    outcome: list = []
+
+    def suspect():  # in a thread: kept alive by the front, a blocked request would wait for good
+        try:
+            list(slow_front.client.completions.create(model="tiny", prompt=f"b {POISON}", max_tokens=8, stream=True))
+        except openai.APIError as e:
+            outcome.append(e)
+    thread = threading.Thread(target=suspect, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert outcome and "--max-resumes 1" in str(outcome[0]), "the next suspect request never got its turn"
+    assert stand_in.gen == 4  # each poison request killed a tree once, and the second once more on its resume

@@ -194,10 +194,11 @@ HangTimeout = Annotated[float, _option(
     "--hang-timeout", panel=SUPERVISION,
     help="With --engine vllm: restart the tree when requests are waiting and no token has come out for this "
          "many seconds (from vLLM's /metrics: vLLM can hang with /health at 200).")]
-ResumeTimeout = Annotated[float, _option(
-    "--resume-timeout", panel=SUPERVISION,
+ResumeTimeout = Annotated[Optional[float], _option(
+    "--resume-timeout", panel=SUPERVISION, show_default=False,
     help="With --engine vllm: how long the front holds a request whose vLLM tree died, waiting for the new one "
-         "to come up, before it answers 503.")]
+         "to come up, before it answers 503 (a held stream gets an SSE comment every 10 s meanwhile).  "
+         "[default: --startup-timeout]")]
 MaxPending = Annotated[int, _option(
     "--max-pending", panel=SUPERVISION,
     help="With --engine vllm: the most requests the front holds while vLLM is down; past it, 503 with "

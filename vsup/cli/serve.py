@@ -51,7 +51,7 @@ def serve(
     startup_timeout: options.StartupTimeout = 600.0,
     health_timeout: options.HealthTimeout = 30.0,
     hang_timeout: options.HangTimeout = 120.0,
-    resume_timeout: options.ResumeTimeout = 120.0,
+    resume_timeout: options.ResumeTimeout = None,
     max_pending: options.MaxPending = 256,
     max_resumes: options.MaxResumes = 2,
     log_format: options.LogFormatOpt = options.LogFormat.auto,
@@ -101,6 +101,7 @@ def serve(
         from vsup.vllm.args import check_supported
         from vsup.vllm.launch import FrontFlags, vllm_deployment
 
+        resume_timeout = startup_timeout if resume_timeout is None else resume_timeout  # as long as a start may take
         if max_pending < 0 or max_resumes < 0 or resume_timeout < 0:
             raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
         check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep,

@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--max-resumes", type=int, required=True)
     parser.add_argument("--drain-timeout", type=float, required=True)
     parser.add_argument("--cpus", help="the cores to run on (off vLLM's workers' cores)")
+    parser.add_argument("--keepalive", type=float, default=10.0,
+                        help="seconds of silence after which a stream is sent an SSE comment (default 10)")
     args = parser.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -41,7 +43,7 @@ def main() -> None:
     from vsup.front.app import Front, log
 
     front = Front(args.upstream, os.environ.get("VSUP_FRONT_UPSTREAM_KEY"), os.environ.get("VSUP_API_KEY"),
-                  args.resume_timeout, args.max_pending, args.max_resumes)
+                  args.resume_timeout, args.max_pending, args.max_resumes, args.keepalive)
     config = uvicorn.Config(front, host=args.host, port=args.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.drain_timeout,
                             timeout_keep_alive=30, backlog=2048)

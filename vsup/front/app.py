@@ -6,6 +6,12 @@ held until the supervisor says a new tree is up, then goes on from its token
 IDs (vsup/front/resume.py), so the client sees a pause and no error. What vLLM
 itself rejects (4xx) passes through unchanged and is never retried.
 
+A stream that gets nothing for --keepalive seconds (a tree restarting can take
+minutes) is sent an SSE comment, which clients ignore: a client's read timeout,
+or a proxy's, never cuts a stream that the front is holding. A stream held
+before its first answer is begun then (200, text/event-stream), and what vLLM
+answers after is sent in it, an error as an error event.
+
 With --replicas N there are N trees, each on its own Unix socket: a request
 goes to the least loaded one that is up, and one that a tree dropped goes on at
 once on another that is up.
@@ -35,6 +41,7 @@ from vsup.topology import ROLES
 from vsup.vllm.names import HELPER
 
 REWIND_MAX = 16  # tokens a resume looks back for text that vLLM held back
+KEEPALIVE = b": keep-alive\n\n"
 GRACE_S = 5.0  # how long a tree that failed a request may still say it is up before the failure is the request's
 HOP_HEADERS = {"host", "authorization", "content-length", "connection", "keep-alive", "transfer-encoding",
                "te", "upgrade", "proxy-authorization", "accept-encoding"}
@@ -100,9 +107,10 @@ class Trees:
 
 class Front:
     def __init__(self, upstreams: list[str], upstream_key: str | None, api_key: str | None, resume_timeout: float,
-                 max_pending: int, max_resumes: int):
+                 max_pending: int, max_resumes: int, keepalive: float):
         self.upstreams, self.upstream_key, self.api_key = upstreams, upstream_key, api_key
         self.resume_timeout, self.max_pending, self.max_resumes = resume_timeout, max_pending, max_resumes
+        self.keepalive = keepalive
         self.trees = Trees(len(upstreams))
         self.clients: list[httpx.AsyncClient] = []
         self.bound: dict[int, int] = {}  # generation id -> the gen of the tree it runs on (the load of each)
@@ -228,16 +236,20 @@ class Front:
     # generations: streamed, held and resumed
 
     async def generate(self, g: Generation, headers: dict) -> Response:
+        submitting = asyncio.ensure_future(self._submit(g, headers, g.dead))
+        if g.streams:  # begun at once if the answer takes --keepalive seconds (no tree up, say)
+            await asyncio.wait({submitting}, timeout=self.keepalive)
+            if not submitting.done():
+                return self._streamed(g, headers, submitting)
         try:
-            opened = await self._submit(g, headers, g.dead)
+            opened = await submitting
         except Refused as e:
             opened = error_response(e.status, e.message, e.retry_after)
         if isinstance(opened, Response):
             self.bound.pop(id(g), None)  # (it counts in the load of a tree while it runs there)
             return opened
         if g.streams:
-            return Streamed(self._stream(g, headers, opened), media_type="text/event-stream",
-                            headers={"x-accel-buffering": "no"})
+            return self._streamed(g, headers, submitting)
         error = None
         async with contextlib.aclosing(self._chunks(g, headers, opened)) as chunks:
             async for chunk in chunks:
@@ -247,11 +259,29 @@ class Front:
             return JSONResponse(error, status_code=error["error"].get("code") or 500)
         return JSONResponse(g.response())
 
-    async def _stream(self, g: Generation, headers: dict, opened):
-        async with contextlib.aclosing(self._chunks(g, headers, opened)) as chunks:  # closed if the client left
+    def _streamed(self, g: Generation, headers: dict, submitting: asyncio.Future) -> Streamed:
+        return Streamed(self._stream(g, headers, submitting), media_type="text/event-stream",
+                        headers={"x-accel-buffering": "no"}, keepalive=self.keepalive)
+
+    async def _stream(self, g: Generation, headers: dict, submitting: asyncio.Future):
+        async with contextlib.aclosing(self._submitted(g, headers, submitting)) as chunks:  # closed if the client left
             async for chunk in chunks:
                 yield sse(chunk)
         yield DONE
+
+    async def _submitted(self, g: Generation, headers: dict, submitting: asyncio.Future):
+        """The chunks of a streamed generation whose submission may still be under way."""
+        try:
+            opened = await submitting
+        except Refused as e:
+            yield error_body(e.status, e.message)
+            return
+        if isinstance(opened, Response):  # what vLLM answered, once the stream had begun
+            self.bound.pop(id(g), None)
+            yield as_error(opened)
+            return
+        async for chunk in self._chunks(g, headers, opened):
+            yield chunk
 
     async def _submit(self, g: Generation, headers: dict, dead: set[int]):
         """Send the generation (again) to a tree that is up and not one of the `dead` gens: (response, gen),
@@ -262,7 +292,7 @@ class Front:
                 await self.probe.acquire()
             try:
                 r, gen = await self.tree_after(dead)
-            except Refused:
+            except BaseException:  # Refused, or cancelled: the client left
                 if probing:
                     self.probe.release()
                 raise
@@ -279,6 +309,9 @@ class Front:
                                              stream=True)
             except httpx.TransportError:
                 response = None
+            except BaseException:
+                self._end_probe(g, gen)
+                raise
             if response is not None and response.status_code < 500:
                 if response.status_code == 200:
                     return response, gen
@@ -418,8 +451,7 @@ class Front:
                 yield error_body(e.status, e.message)
                 return
             if isinstance(opened, Response):
-                yield json.loads(opened.body) if opened.body.startswith(b"{") else error_body(
-                    opened.status_code, opened.body.decode(errors="replace"))
+                yield as_error(opened)
                 return
             response, gen = opened
 
@@ -476,10 +508,55 @@ class Front:
         return PlainTextResponse(text + "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
+def as_error(response: Response) -> dict:
+    """What vLLM answered instead of a stream, as the error event of a stream already begun."""
+    try:
+        body = json.loads(response.body)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body
+    return error_body(response.status_code, response.body.decode(errors="replace"))
+
+
 class Streamed(StreamingResponse):
     """A streamed response that ends when the client leaves, and closes its source however it ends: the
     upstream connection closes with it, so vLLM aborts the request. (uvicorn's send drops what a client
-    that left is sent without a word, so the front listens for the disconnect itself.)"""
+    that left is sent without a word, so the front listens for the disconnect itself.) With `keepalive`
+    (an SSE stream), an SSE comment goes out after each `keepalive` seconds in which nothing did."""
+
+    def __init__(self, content, *args, keepalive: float | None = None, **kwargs):
+        super().__init__(content, *args, **kwargs)
+        self.keepalive = keepalive
+
+    async def stream_response(self, send) -> None:
+        if self.keepalive is None:
+            await super().stream_response(send)
+            return
+        lock, said = asyncio.Lock(), False
+
+        async def body(chunk: bytes) -> None:
+            nonlocal said
+            async with lock:
+                said = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def beat() -> None:
+            nonlocal said
+            while True:
+                said = False
+                await asyncio.sleep(self.keepalive)
+                if not said:
+                    await body(KEEPALIVE)
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        beating = asyncio.ensure_future(beat())
+        try:
+            async for chunk in self.body_iterator:
+                await body(chunk)
+        finally:
+            beating.cancel()
+            await asyncio.gather(beating, return_exceptions=True)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         async def until_left():
