@@ -7,6 +7,7 @@ spells them), so the engine never re-derives them.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -68,9 +69,18 @@ def become(default_name: str) -> str:
 
 def exit_on_sigterm() -> None:
     """SIGTERM raises SystemExit(0): the process unwinds through its `finally` blocks (sockets closed,
-    workers told, rings left) and exits 0, as a stop asked for, rather than dying by the signal."""
+    workers told, rings left) and exits 0, as a stop asked for, rather than dying by the signal.
+
+    Once only: a second SIGTERM while it unwinds, or one that comes after the process has begun to
+    exit (its atexit callbacks, torch's among them), is ignored, so it never cuts a cleanup short."""
     signal.signal(signal.SIGTERM, _raise_exit)
+    atexit.register(_ignore_sigterm)  # (runs before the callbacks registered earlier: torch's)
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _raise_exit(signum, frame):
+    _ignore_sigterm()
     raise SystemExit(0)

@@ -1,0 +1,41 @@
+"""engine/process.py's SIGTERM: a stop asked for unwinds through the `finally` blocks and exits 0, and a
+second SIGTERM (a supervisor and an engine core both stopping a worker) never cuts the cleanup short."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(body: str) -> subprocess.CompletedProcess:
+    code = "import atexit, os, signal, time\nfrom engine.process import exit_on_sigterm\n" + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_sigterm_while_it_unwinds_does_not_cut_the_cleanup_short():
+    done = run("""
+        exit_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # the second stop, mid-cleanup
+            time.sleep(0.2)
+            print("cleaned up", flush=True)
+    """)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "cleaned up\n", "")
+
+
+def test_a_sigterm_after_main_returned_is_ignored():
+    """What CI saw: a worker told to stop by its core returned from main, and the supervisor's SIGTERM
+    came while torch's atexit callbacks ran: SystemExit in a callback, a traceback in the log."""
+    done = run("""
+        def late():  # registered first, like torch's: runs last
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            print("exited", flush=True)
+        atexit.register(late)
+        exit_on_sigterm()
+    """)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "exited\n", "")
