@@ -210,13 +210,15 @@ def stand_in():
         yield app
 
 
-@pytest.fixture
-def front(stand_in):
-    f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20")
+@contextlib.contextmanager
+def supervised(stand_in: StandIn, restart_s: float, *flags: str):
+    """A front before `stand_in`, with the test as the supervisor: when the tree dies it is down, and
+    `restart_s` later the next one is up."""
+    f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20", *flags)
 
-    def restarted(gen):  # the supervisor: the tree is down, and a moment later the next one is up
+    def restarted(gen):
         f.tell(gen - 1, False)
-        threading.Timer(0.3, f.tell, args=(gen, True)).start()
+        threading.Timer(restart_s, f.tell, args=(gen, True)).start()
     stand_in.on_death = restarted
     try:
         f.tell(1, True)
@@ -224,6 +226,12 @@ def front(stand_in):
         yield f
     finally:
         f.close()
+
+
+@pytest.fixture
+def front(stand_in):
+    with supervised(stand_in, 0.3) as f:
+        yield f
 
 
 def fault_free_text(prompt: str, n: int) -> str:
@@ -389,20 +397,9 @@ def test_text_held_back_for_a_stop_string_is_not_lost_at_a_cut(front, stand_in):
 def slow_front(stand_in):
     """A front whose tree takes 3 s to come back, 15 times its keep-alive interval and 3 times its
     clients' read timeout (a vLLM tree takes 45 s to 4 minutes on two cores)."""
-    f = Front(stand_in.socket, "--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20",
-              "--keepalive", "0.2")
-    f.client = f.client.with_options(timeout=1.0)
-
-    def restarted(gen):
-        f.tell(gen - 1, False)
-        threading.Timer(3.0, f.tell, args=(gen, True)).start()
-    stand_in.on_death = restarted
-    try:
-        f.tell(1, True)
-        wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, timeout=10, what="the front sees the tree")
+    with supervised(stand_in, 3.0, "--keepalive", "0.2") as f:
+        f.client = f.client.with_options(timeout=1.0)
         yield f
-    finally:
-        f.close()
 
 
 def raw_stream(front, prompt: str, **body) -> list[str]:
