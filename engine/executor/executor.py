@@ -6,10 +6,12 @@ Both offer `num_blocks`, `submit(scheduler_output)`, `wait(step_id)` and
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker import Worker, WorkerConfig
+
+if TYPE_CHECKING:
+    from engine.worker.worker import WorkerConfig
 
 
 class Executor(Protocol):
@@ -28,6 +30,8 @@ class InprocExecutor:
     def __init__(self, config: WorkerConfig):
         if config.world_size != 1:
             raise ValueError("the in-process executor runs one worker; TP x PP > 1 needs worker processes")
+        from engine.worker.worker import Worker  # torch: only where the model runs (2-3 s of an engine core's start)
+
         self.worker = Worker(config)
         self.worker.init_device()
         self.worker.load_model()

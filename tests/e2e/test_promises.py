@@ -62,6 +62,14 @@ def test_a_second_serve_of_a_name_already_served_is_refused_and_the_first_serves
     assert state["supervisor"]["pid"] == first and complete(live.client, "hello", n=4)
 
 
+def test_only_the_workers_load_torch(live):
+    """An engine core (or an API server) that restarts is back in under a second of imports, not the 2-3 s
+    of torch's: the model runs in the workers alone, so only they load it."""
+    assert complete(live.client, "hello", n=4)
+    maps = {name: open(f"/proc/{pid}/maps").read() for name, pid in live.pids().items()}
+    assert [name for name, text in maps.items() if "libtorch" in text] == [n for n in maps if n.startswith("worker")]
+
+
 @pytest.mark.parametrize("args", [["ps", "--json"], ["logs", "--role", "worker"], ["ps", "--help"], ["--help"],
                                   ["stop", "--help"], ["logs", "--help"]])
 def test_ps_logs_stop_and_help_never_import_torch(live, args):
