@@ -72,15 +72,18 @@ def exit_on_sigterm() -> None:
     workers told, rings left) and exits 0, as a stop asked for, rather than dying by the signal.
 
     Once only: a second SIGTERM while it unwinds, or one that comes after the process has begun to
-    exit (its atexit callbacks, torch's among them), is ignored, so it never cuts a cleanup short."""
+    stop (`stopping`) or to exit (its atexit callbacks, torch's among them), is ignored, so it never cuts
+    a cleanup short."""
     signal.signal(signal.SIGTERM, _raise_exit)
-    atexit.register(_ignore_sigterm)  # (runs before the callbacks registered earlier: torch's)
+    atexit.register(stopping)  # (runs before the callbacks registered earlier: torch's)
 
 
-def _ignore_sigterm() -> None:
+def stopping() -> None:
+    """The process stops of its own accord (told to by its engine core, say, or its main is done): from
+    now on a SIGTERM (the supervisor's stop, coming at the same time) is ignored, not raised mid-cleanup."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _raise_exit(signum, frame):
-    _ignore_sigterm()
+    stopping()
     raise SystemExit(0)

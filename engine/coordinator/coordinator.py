@@ -24,7 +24,7 @@ from engine.args import add_parallel_sizes, role_parser
 from engine.coordinator.waves import WaveBarrier
 from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
-from engine.process import become, exit_on_sigterm
+from engine.process import become, exit_on_sigterm, stopping
 from engine.wire.protocol import CoreLoad, LoadStats, WaveReport, encoder, to_coordinator
 
 log = structlog.get_logger("coordinator")
@@ -135,5 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        stopping()
         coordinator.close()
     return 0

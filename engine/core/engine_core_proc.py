@@ -401,7 +401,7 @@ def pending(sock: zmq.Socket, decoder: Decoder, sender: str):
 
 def main(argv: list[str] | None = None) -> int:
     from engine.log import configure
-    from engine.process import become, exit_on_sigterm
+    from engine.process import become, exit_on_sigterm, stopping
 
     args = parse_args(argv)
     become(f"engine-core dp{args.dp_rank}")
@@ -422,4 +422,5 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         raise
     finally:
+        stopping()
         proc.close(shutdown_workers=not failed)

@@ -25,7 +25,7 @@ from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
-from engine.process import become, exit_on_sigterm
+from engine.process import become, exit_on_sigterm, stopping
 from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
 from engine.ring.tcp_broadcast import TcpBroadcastReader
 from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                               epoch=epoch or "", joined=worker.groups is not None)))
         return 1
     finally:
+        stopping()
         worker.shutdown()
         sock.close()
         ctx.term()
@@ -166,6 +167,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
             if step is None:
                 continue
             if isinstance(step, Shutdown):
+                stopping()  # (the supervisor's SIGTERM may come while this worker closes its ring)
                 log.info("shutting down")
                 return True
             with watch, meter.busy("forward"):

@@ -1,5 +1,6 @@
 """engine/process.py's SIGTERM: a stop asked for unwinds through the `finally` blocks and exits 0, and a
-second SIGTERM (a supervisor and an engine core both stopping a worker) never cuts the cleanup short."""
+SIGTERM once the process is stopping (a second one, one after its engine core told it to stop, one while
+it exits) never cuts the cleanup short."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 
 def run(body: str) -> subprocess.CompletedProcess:
-    code = "import atexit, os, signal\nfrom engine.process import exit_on_sigterm\n" + textwrap.dedent(body)
+    code = "import atexit, os, signal\nfrom engine.process import exit_on_sigterm, stopping\n" + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
@@ -37,3 +38,18 @@ def test_a_sigterm_after_main_returned_is_ignored():
         exit_on_sigterm()
     """)
     assert (done.returncode, done.stdout, done.stderr) == (0, "exited\n", "")
+
+
+def test_a_sigterm_after_the_process_began_to_stop_of_its_own_accord_is_ignored():
+    """What make test saw: a worker told to shut down by its core was closing its sockets when the
+    supervisor's SIGTERM came: SystemExit raised inside a socket's __del__, a traceback in the log."""
+    done = run("""
+        exit_on_sigterm()
+        try:
+            print("serving", flush=True)
+        finally:
+            stopping()  # the core said Shutdown
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("cleaned up", flush=True)
+    """)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "serving\ncleaned up\n", "")
