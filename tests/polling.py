@@ -1,9 +1,9 @@
 """Waiting on real processes: poll a condition until it holds.
 
-Many conditions are asked of a new process (`vsup ps`, `vsup logs`: about 0.3 s of a core each), and a
-wait may last a minute (a vLLM tree starting). Polled every 0.1 s, such a wait took half a core from the
-very processes it waited for; so the pause after each try is at least twice what the try took, and it
-grows with the wait (to 1 s after 20 s), which costs a long wait at most 5% more time.
+Many conditions are asked of a new process (`vsup ps --json`: 0.16 s of a core, longer on a busy
+machine), and a wait may last minutes (a vLLM tree starting). Polled every 0.1-0.2 s, such a wait took
+about 40% of a core from the very processes it waited for; so the pause after each try is at least twice
+what the try took, and it grows with the wait (to 1 s after 20 s), which costs a long wait at most 5% more.
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ class Served:
         def serving():
             assert self.proc.poll() is None, self.proc.stderr.read()
             state = self.ps()
-            return state if state and state["supervisor"]["state"] == "serving" and all(
-                p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote")) else None
-        return wait_for(serving, timeout, "serving", interval=0.2, now=self.ps)
+            ready = state and state["supervisor"]["state"] == "serving" and all(
+                p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote"))
+            return state if ready else None
+        return wait_for(serving, timeout, "serving with every process ready", interval=0.2, now=self.ps)
 
     def last_log_lines(self, n=60) -> str:
         """The last `n` lines of `vsup logs`, each with its time (to read a failure's timeline)."""

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import psutil
@@ -66,7 +67,7 @@ def test_only_the_workers_load_torch(live):
     """An engine core (or an API server) that restarts is back in under a second of imports, not the 2-3 s
     of torch's: the model runs in the workers alone, so only they load it."""
     assert complete(live.client, "hello", n=4)
-    maps = {name: open(f"/proc/{pid}/maps").read() for name, pid in live.pids().items()}
+    maps = {name: Path(f"/proc/{pid}/maps").read_text() for name, pid in live.pids().items()}
     assert [name for name, text in maps.items() if "libtorch" in text] == [n for n in maps if n.startswith("worker")]
 
 
