@@ -21,13 +21,16 @@ def running(pid: int) -> bool:
         return False
 
 
+UNSEEN_EXIT = "exited"  # what exit_status says of a process already reaped: only that it exited
+
+
 def exit_status(pid: int) -> str:
     """How a process that just exited ended, read from its zombie (field 52 of /proc/PID/stat) while
-    its parent has not reaped it yet; else only that it exited."""
+    its parent has not reaped it yet; else only that it exited (UNSEEN_EXIT)."""
     try:
         status = int(_stat_fields(pid)[49])
     except (OSError, IndexError, ValueError):
-        return "exited"
+        return UNSEEN_EXIT
     return describe_exit(os.waitstatus_to_exitcode(status))
 
 

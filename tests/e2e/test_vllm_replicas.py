@@ -90,6 +90,8 @@ def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, 
     state = replicas.wait_serving(timeout=400)
     assert state["units"]["vllm r0"]["by_role"] == {"worker": 1}
     assert not state["units"]["vllm r1"]["by_role"]
+    # its engine core reaped it, so only the hook's reap log can say how it ended
+    assert {p["name"]: p["last_exit"] for p in state["processes"]}[VICTIM] == "signal 9 (SIGKILL)"
     worker_lines = replicas.vsup("logs", "--json", "--role", "worker", "--replica", "1").stdout.splitlines()
     assert worker_lines and {json.loads(line)["name"] for line in worker_lines} == {"worker r1 dp0 pp0 tp0"}
 

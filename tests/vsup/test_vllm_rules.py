@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -172,28 +173,44 @@ def test_plan_engine_vllm_on_the_command_line():
     assert extra.returncode == 2 and "only --engine vllm" in extra.stderr
 
 
-def test_the_tree_is_blamed_on_the_process_whose_end_ended_it():
+def test_the_tree_is_blamed_on_the_process_whose_end_ended_it(tmp_path):
     """A worker that exited 0 or died of its engine core's SIGTERM (sent after a 5 s grace a loaded machine
     passes) was told to stop: its engine core is blamed; a worker killed otherwise is; a process whose
-    parent is dead followed it out."""
+    parent was dead when its end was seen followed it out, but not one whose parent outlived it: vLLM's
+    engine core reaps its killed worker at once and exits a second or two later (CI saw both gone when it
+    looked). The hook's reap log says how a reaped worker ended, and that its parent outlived it."""
     from types import SimpleNamespace
 
-    from vsup.supervisor.vllm_replica import Observed, Tree
+    from vsup.supervisor.vllm_replica import REAP_LOG, Observed, Tree
 
     gone, gone_too = subprocess.Popen(["true"]), subprocess.Popen(["true"])
     gone.wait(), gone_too.wait()
     root = SimpleNamespace(pid=gone.pid + 100_000, popen=SimpleNamespace(poll=lambda: None), alive=True)
 
-    def blamed(worker_exit, core_alive=True, core_exit=None):
-        core = Observed(pid=os.getpid() if core_alive else gone_too.pid, ppid=root.pid, pidfd=None, name="engine-core dp0",
-                        last_exit=core_exit)
-        worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit)
-        tree = Tree(r=None, root=root, unit=None, socket="", dir=None, plan=None,
+    def blamed(worker_exit, core_alive=True, core_exit=None, core_alive_at_exit=None, reaped=None):
+        core = Observed(pid=os.getpid() if core_alive else gone_too.pid, ppid=root.pid, pidfd=None,
+                        name="engine-core dp0", last_exit=core_exit)
+        worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit,
+                          parent_alive_at_exit=core_alive_at_exit)
+        tree = Tree(r=None, root=root, unit=None, socket="", dir=tmp_path, plan=None,
                     procs={core.pid: core, worker.pid: worker})
-        return tree.first_to_die(worker).name
+        (tmp_path / REAP_LOG).write_text(f"{root.pid} 0\nnot a line\n{worker.pid} {reaped}\n" if reaped is not None
+                                         else "")
+        tree.learn_reaped()
+        return tree.first_to_die(worker).name, worker.last_exit
 
-    assert blamed("exit 0") == "engine-core dp0"
-    assert blamed("signal 15 (SIGTERM)") == "engine-core dp0"
-    assert blamed("signal 9 (SIGKILL)") == "worker dp0 pp0 tp0"
-    assert blamed("exit 1") == "worker dp0 pp0 tp0"
-    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)") == "engine-core dp0"
+    worker, core = "worker dp0 pp0 tp0", "engine-core dp0"
+    assert blamed("exit 0")[0] == core
+    assert blamed("signal 15 (SIGTERM)")[0] == core
+    assert blamed("signal 9 (SIGKILL)")[0] == worker
+    assert blamed("exit 1")[0] == worker
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)")[0] == core
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_alive_at_exit=False)[0] == core
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="exit 1", core_alive_at_exit=True)[0] == worker
+    assert blamed("exit 0", core_alive=False, core_exit="exit 1", core_alive_at_exit=True)[0] == core
+    # reaped by its engine core, which is gone too by the time the supervisor looks (its status unseen)
+    assert blamed("exited", core_alive=False, core_exit="exit 1", core_alive_at_exit=False,
+                  reaped=signal.SIGKILL) == (worker, "signal 9 (SIGKILL)")
+    assert blamed("exited", core_alive=False, core_exit="exit 0", core_alive_at_exit=False,
+                  reaped=0) == (core, "exit 0")
+    assert blamed("exited", core_alive=False, core_exit="exit 1", core_alive_at_exit=False)[0] == core

@@ -8,6 +8,7 @@ With `--replicas N` the supervisor holds N of these, each its own restart unit
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from vsup.vllm.plan import RESOURCE_TRACKER, helper_name
 from vsup.vllm.progress import Progress
 
 BY_SIGTERM = describe_exit(-signal.SIGTERM)
+REAP_LOG = "reaped.txt"  # in a tree's dir: "PID WAIT_STATUS" of each process its parent reaped (the hook's)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Observed:
     title: str | None = None
     alive: bool = True
     last_exit: str | None = None
+    parent_alive_at_exit: bool | None = None  # its parent ran on when its end was seen: it did not follow it out
 
 
 @dataclass
@@ -147,20 +150,48 @@ class Tree:
     def name_of(self, proc) -> str:
         return proc.spec.name if isinstance(proc, Child) else (proc.name or f"pid {proc.pid}")
 
+    def parent_of(self, proc: Observed):
+        return self.root if proc.ppid == self.root.pid else self.procs.get(proc.ppid)
+
+    def running(self, proc) -> bool:
+        return proc.popen.poll() is None if proc is self.root else procfs.running(proc.pid)
+
+    def learn_reaped(self) -> None:
+        """How each process that its parent waited for ended, and that its parent outlived it: the hook
+        writes both to REAP_LOG, as the supervisor sees neither (vLLM's engine core reaps a killed
+        worker within milliseconds)."""
+        try:
+            lines = (self.dir / REAP_LOG).read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                pid, status = map(int, line.split())
+            except ValueError:
+                continue
+            proc = self.procs.get(pid)
+            if proc is not None and proc.last_exit in (None, procfs.UNSEEN_EXIT):
+                proc.last_exit = describe_exit(os.waitstatus_to_exitcode(status))
+                proc.parent_alive_at_exit = True
+
     def first_to_die(self, proc):
-        """The process whose end ended the tree. One whose parent is dead too followed it out
-        (PR_SET_PDEATHSIG), and one that was told to stop by its parent: the parent is. vLLM's processes
-        never end cleanly on their own; an engine core stops its workers before it exits, and sends
-        SIGTERM to those still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded
-        machine passes); a worker's own SIGTERM handler turns a kill -TERM from anyone else into exit 0."""
+        """The process whose end ended the tree. One whose parent was dead too when its end was seen
+        followed it out (PR_SET_PDEATHSIG), and one that was told to stop by its parent: the parent is.
+        A parent that still ran then ended after it, even if it is gone by now: vLLM's engine core exits
+        0.9-2.4 s after its worker's kill -9 (the attribution looks 0.3 s after the first end it sees,
+        later still on a loaded machine). vLLM's processes never
+        end cleanly on their own; an engine core stops its workers before it exits, and sends SIGTERM to
+        those still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded machine
+        passes); a worker's own SIGTERM handler turns a kill -TERM from anyone else into exit 0."""
         seen = set()
         while isinstance(proc, Observed) and proc.ppid not in seen:
             seen.add(proc.ppid)
-            parent = self.root if proc.ppid == self.root.pid else self.procs.get(proc.ppid)
+            parent = self.parent_of(proc)
             if parent is None or parent is self.root and proc.last_exit == "exit 0":
                 break
             told = proc.last_exit == "exit 0" or proc.last_exit == BY_SIGTERM and parent is not self.root
-            if not told and (parent.popen.poll() is None if parent is self.root else procfs.running(parent.pid)):
+            outlived = proc.parent_alive_at_exit if proc.parent_alive_at_exit is not None else self.running(parent)
+            if not told and outlived:
                 break
             if parent is not self.root and parent.last_exit is None:
                 parent.last_exit = procfs.exit_status(parent.pid)

@@ -43,7 +43,7 @@ from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.manager import Options, Supervisor, Unit
 from vsup.supervisor.states import DeploymentState, ProcessState, TreeState, UnitState
 from vsup.supervisor.units import UnitId
-from vsup.supervisor.vllm_replica import Observed, Tree
+from vsup.supervisor.vllm_replica import REAP_LOG, Observed, Tree
 from vsup.topology import FRONT, Plan
 from vsup.vllm import names
 from vsup.vllm.plan import tree_roots
@@ -191,10 +191,13 @@ class VllmSupervisor(Supervisor):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tree.socket)  # (its last tree's: vLLM binds the path anew)
         tmp = shm_sweep.make_tmp_dir(tree.dir)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tree.dir / REAP_LOG)  # its last tree's pids
         env = {**os.environ, **(self.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
                "VSUP_HOOK_REPLICA": str(tree.r or 0),
-               "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "TMPDIR": str(tmp),
+               "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "VSUP_HOOK_REAP_LOG": str(tree.dir / REAP_LOG),
+               "TMPDIR": str(tmp),
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
         for pid in [pid for pid, owner in list(self.tree_of.items()) if owner is tree]:  # its last tree's
@@ -357,9 +360,13 @@ class VllmSupervisor(Supervisor):
         if isinstance(proc, Child):
             proc.reap()
         else:
+            if proc.parent_alive_at_exit is None:  # at once: its parent may end on its own a moment later
+                parent = tree.parent_of(proc)
+                proc.parent_alive_at_exit = parent is not None and tree.running(parent)
             os.close(proc.pidfd)
             proc.pidfd, proc.alive = None, False
-            proc.last_exit = procfs.exit_status(proc.pid)
+            if proc.last_exit in (None, procfs.UNSEEN_EXIT):  # (we may have reaped it already, with its status)
+                proc.last_exit = procfs.exit_status(proc.pid)
         self._reap_adopted()
         if self.stopping:
             self.save()
@@ -379,6 +386,7 @@ class VllmSupervisor(Supervisor):
         """The first death, a moment on: find the process whose end ended the tree, and end the rest."""
         proc, _ = tree.first_death
         tree.first_death = None
+        tree.learn_reaped()
         cause = tree.first_to_die(proc)
         name = tree.name_of(cause)
         if isinstance(cause, Observed) and cause.role == names.HELPER:
@@ -406,7 +414,7 @@ class VllmSupervisor(Supervisor):
                         _, status = os.waitpid(child.pid, os.WNOHANG)
                         tree = self.tree_of.get(child.pid)
                         proc = tree.procs.get(child.pid) if tree else None
-                        if proc is not None and proc.last_exit in (None, "exited"):
+                        if proc is not None and proc.last_exit in (None, procfs.UNSEEN_EXIT):
                             proc.last_exit = describe_exit(os.waitstatus_to_exitcode(status))
                 except (psutil.Error, ChildProcessError):
                     pass
@@ -595,6 +603,8 @@ class VllmSupervisor(Supervisor):
             removed = shm_sweep.sweep(tree.dir)
             if removed:
                 self.log("removed what the tree left in /dev/shm", "warning", entries=removed)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tree.dir / REAP_LOG)
         self.hook_sock.close()
         super().cleanup()
 

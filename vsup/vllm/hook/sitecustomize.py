@@ -15,6 +15,9 @@ nothing unless VSUP_HOOK_SOCKET is set. In each process it:
 - appends each shared-memory segment and semaphore that multiprocessing
   registers to VSUP_HOOK_SHM_LOG, so that what a killed tree leaves in /dev/shm
   can be found and removed;
+- appends each child it reaps through os.waitpid (multiprocessing's join and
+  poll), with its wait status, to VSUP_HOOK_REAP_LOG: the supervisor never sees
+  the end of a process that its parent waited for, only that it is gone;
 
 The standard library only: this runs inside vLLM's interpreter, not vsup's.
 For tests and benches only: VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT] makes the
@@ -100,6 +103,25 @@ def _record_shared_memory() -> None:
     resource_tracker.register = recorded
 
 
+def _record_reaped() -> None:
+    log = os.environ.get("VSUP_HOOK_REAP_LOG")
+    if not log:
+        return
+    waitpid = os.waitpid
+
+    def recorded(*args):
+        pid, status = waitpid(*args)
+        if pid > 0:
+            try:
+                with open(log, "a") as f:
+                    f.write(f"{pid} {status}\n")
+            except OSError:
+                pass
+        return pid, status
+
+    os.waitpid = recorded
+
+
 def _test_fd2() -> None:
     """VSUP_HOOK_TEST_FD2=TITLE|TEXT[|COUNT]: the process titled TITLE writes the line TEXT (COUNT times,
     default once) to fd 2 natively, from a thread."""
@@ -162,6 +184,7 @@ def _after_fork() -> None:
 if os.environ.get("VSUP_HOOK_SOCKET"):
     _install(int(os.environ.get("VSUP_HOOK_PARENT", "0")))
     _record_shared_memory()
+    _record_reaped()
     _test_fd2()
     _test_poison()
     os.register_at_fork(after_in_child=_after_fork)
