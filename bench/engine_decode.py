@@ -11,8 +11,9 @@ update, attention metadata, forward, greedy sampling, tokens back as a list); fo
 
 A third side, interleaved with the two, is the floor of a float32 step on this machine: the
 worker's own linear layers (every layer's qkv, o, gate_up and down, then the LM head, from the
-same packed weights) run back to back on B rows, and nothing else. Ours / floor says how much
-of a step is attention, norms, sampling and Python; what is left is the weights' GEMMs.
+same packed weights) run back to back on B rows, and nothing else; called from C++ as our step
+calls them (engine/ops/csrc/decoder_stack.cpp). Ours / floor says how much of a step is
+attention, norms, sampling and Python; what is left is the weights' GEMMs.
 
 Load times: the first conversion of the default model (GGUF -> safetensors, into a temporary
 cache dir; the user's cache is untouched), a later start (`default_model_dir` finds it, a Worker
@@ -37,7 +38,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from common import add_mode_args, median_ms, mode, print_table, ratio, setup, timed, write_results
+from engine.model import decode_stack
 from engine.model.default_model import default_model_dir
+from engine.ops import cpu_extension
 from engine.wire.sampling_params import SamplingParams
 from engine.wire.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 from engine.worker.worker import Worker, WorkerConfig
@@ -233,11 +236,14 @@ class HfDecoders:
 
 
 class LinearFloor:
-    """The Worker's linear layers alone, back to back on random rows: a decode step's GEMMs."""
+    """The Worker's linear layers alone, back to back on B rows: a decode step's GEMMs. From C++ (the
+    decoder stack's linears_alone, engine/ops/csrc/decoder_stack.cpp), as our step calls them, then
+    the LM head; where the stack cannot be built (no CPU kernels), one Python call each."""
 
     def __init__(self, parent: OurDecode, n: int):
         model = parent.worker.runner.model
-        layers = model.model.layers.values()
+        layers = list(model.model.layers.values())
+        self.stack = decode_stack.build(layers, model.config.rms_norm_eps) if cpu_extension.load() else None
         # (module, its input width): the dense weights are freed once packed, so not weight.shape
         self.linears = [(m, width) for layer in layers for m, width in (
             (layer.self_attn.qkv_proj, layer.self_attn.qkv_proj.input_size),
@@ -245,14 +251,18 @@ class LinearFloor:
             (layer.mlp.gate_up_proj, layer.mlp.gate_up_proj.input_size),
             (layer.mlp.down_proj, layer.mlp.down_proj.shard_size))]
         self.lm_head = model.lm_head
+        self.rows = n
         sizes = {width for _, width in self.linears} | {self.lm_head.hidden_size}
         self.inputs = {size: torch.randn(n, size) for size in sizes}
 
     @torch.inference_mode()
     def step(self) -> float:
         def forward():
-            for linear, width in self.linears:
-                linear(self.inputs[width])
+            if self.stack is not None:
+                self.stack.linears_alone(self.rows)
+            else:
+                for linear, width in self.linears:
+                    linear(self.inputs[width])
             return self.lm_head.logits(self.inputs[self.lm_head.hidden_size])
 
         return timed(forward)[0]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import IntermediateTensors, ParallelGroups, layer_range
+from engine.model import decode_stack
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
@@ -102,6 +103,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, groups, dtype)
                                      for i in self.layer_range})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, groups, dtype) if groups.is_last_stage else None
+        self.tp_size, self.eps = groups.tp_size, config.rms_norm_eps
+        self.stack = None  # the layers' decode loop in C++ (decode_stack.py), once the linears are packed
 
     def forward(self, input_ids, positions, kv_caches, metadata, intermediate):
         if self.embed_tokens is not None:
@@ -109,11 +112,23 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        stack = self._decode_stack(hidden, kv_caches, metadata)
+        if stack is not None:
+            hidden, residual = decode_stack.run(stack, hidden, residual, rope, kv_caches, metadata)
+        else:
+            for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         if self.norm is None:
             return IntermediateTensors(hidden=hidden, residual=residual)
         return self.norm(hidden, residual)[0]
+
+    def _decode_stack(self, hidden, kv_caches, metadata):
+        """The layers' C++ decode loop where it applies to this step (decode_stack.py), built on first use."""
+        if not decode_stack.applies(hidden, kv_caches, metadata, self.tp_size):
+            return None
+        if self.stack is None:
+            self.stack = decode_stack.build(list(self.layers.values()), self.eps)
+        return self.stack
 
 
 class LlamaForCausalLM(nn.Module):

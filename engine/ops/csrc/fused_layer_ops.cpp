@@ -5,11 +5,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "layer_ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -27,6 +29,10 @@ void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, what, ": float32 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, size] with contiguous rows");
 }
+
+}  // namespace
+
+namespace vsup {
 
 // residual += x; x = residual / rms(residual) * weight, rows of [T, hidden]
 void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
@@ -54,6 +60,32 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
       for (int64_t j = 0; j < size; ++j) xi[j] = ri[j] * inv * w[j];
     }
   });
+}
+
+// x / rms(x) * weight, rows of [T, hidden], into a new tensor: the first layer's norm, whose input
+// (the embedding) becomes the residual
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight: contiguous float32 [hidden]");
+  const int64_t rows = x.size(0), size = x.size(1);
+  at::Tensor out = at::empty({rows, size}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xi = xp + i * xs;
+      float* oi = op + i * size;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < size; ++j) sum += xi[j] * xi[j];
+      const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
+      for (int64_t j = 0; j < size; ++j) oi[j] = xi[j] * inv * w[j];
+    }
+  });
+  return out;
 }
 
 // Neox-style rotary embedding in place: x [T, heads, D] (heads contiguous in a row), cos and sin
@@ -112,10 +144,10 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace vsup
 
 TORCH_LIBRARY_FRAGMENT(vsup_cpu, m) {
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
-  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rotary_);
-  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()", &silu_and_mul);
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &vsup::add_rms_norm_);
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &vsup::rotary_);
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()", &vsup::silu_and_mul);
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "layer_ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -26,6 +27,10 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
+
+}  // namespace
+
+namespace vsup {
 
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -136,12 +141,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
-}  // namespace
+}  // namespace vsup
 
 TORCH_LIBRARY(vsup_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()",
-        &paged_attention_decode);
+        &vsup::paged_attention_decode);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
-        &write_kv);
+        &vsup::write_kv);
 }
