@@ -1,6 +1,6 @@
 """The CPU kernels of engine/ops/csrc, built once per machine and loaded as `torch.ops.vsup_cpu`.
 
-They are compiled with the C++ compiler on first use (about 15 s, with torch's cpp_extension
+They are compiled with the C++ compiler on first use (about 35 s on two cores, with torch's cpp_extension
 and ninja), for this CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR,
 else ~/.cache/torch_extensions), where later processes find them in milliseconds;
 `make install` builds them ahead (`python -m engine.ops.cpu_extension`). Where the build fails
