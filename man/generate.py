@@ -119,17 +119,20 @@ ENVIRONMENT = {
     "VSUP_PACKED_LINEAR": "0 makes CPU workers run their linear layers through F.linear instead of "
                           "oneDNN-packed weights (float32 on the CPU packs by default: faster, same results).",
     "VSUP_CPU_KERNELS": "0 makes CPU workers run decode attention, the KV write, the fused norm, rotary, "
-                        "SiLU and the greedy argmax in plain torch instead of the kernels of engine/ops/csrc "
+                        "SiLU, the greedy argmax and a decode step's layer loop in plain torch and Python "
+                        "instead of the kernels of engine/ops/csrc "
                         "(built once per machine by `make install`, or at a worker's first start, into torch's "
                         "extension cache; the same values up to float rounding).",
     "VSUP_HOOK_SOCKET": "With --engine vllm, set by `vsup serve` for the start-up hook it puts on vLLM's "
                         "PYTHONPATH: the supervisor's socket that every process of the tree connects its stdout "
                         "and stderr to. VSUP_HOOK_PARENT (the pid a process's parent must have), VSUP_HOOK_SHM_LOG "
-                        "(where the hook lists the shared memory it saw created) and VSUP_HOOK_REPLICA (the "
+                        "(where the hook lists the shared memory it saw created), VSUP_HOOK_REAP_LOG (where it "
+                        "lists each child a process reaped, and how that child ended) and VSUP_HOOK_REPLICA (the "
                         "tree's replica, with --replicas) go with it.",
     "VSUP_HOOK_PARENT": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_REPLICA": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_SHM_LOG": "See VSUP_HOOK_SOCKET.",
+    "VSUP_HOOK_REAP_LOG": "See VSUP_HOOK_SOCKET.",
     "VSUP_HOOK_TEST_FD2": "Tests and benches only: {TITLE|TEXT[|COUNT]} makes the process of a vLLM tree "
                           "titled TITLE write TEXT to its fd 2 natively.",
     "VSUP_HOOK_TEST_POISON": "Tests and benches only: {ID,ID,...} makes an engine core of a vLLM tree kill "

@@ -15,7 +15,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import sysconfig
 from pathlib import Path
 
@@ -53,10 +52,15 @@ def _name() -> str:
 
 
 def _put_ninja_on_path() -> None:
-    """pip's ninja lives beside this Python, not on the PATH of a process started by the Python's path."""
+    """pip's ninja (a dependency, beside this Python) first on the PATH, whatever else is there: every
+    process must build with the same ninja. Another version hashes the build commands otherwise (here
+    the system's 1.11 and pip's 1.13), so each process that found the other one rebuilt the whole
+    extension: make test's workers rebuilt it over and over, each holding the rest up for a build."""
     scripts = sysconfig.get_path("scripts")
-    if shutil.which("ninja") is None and scripts:
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    if scripts and os.path.exists(os.path.join(scripts, "ninja")):
+        path = os.environ.get("PATH", "").split(os.pathsep)
+        if path[:1] != [scripts]:
+            os.environ["PATH"] = os.pathsep.join([scripts, *path])
 
 
 @functools.cache

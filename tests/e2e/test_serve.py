@@ -49,7 +49,9 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
     s = serve("-dp", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(64)]
-    reference = complete_all(s.client, prompts, n=96)
+    # long enough for three faults, each waiting for the streams to go on after the last (at 96 tokens the
+    # C++ decode loop finished every stream before the third)
+    reference = complete_all(s.client, prompts, n=160)
 
     def faults(streams):
         counts = None
@@ -57,7 +59,7 @@ def test_chaos_every_request_finishes_with_the_same_tokens(serve):
             counts = mid_stream(streams, f"the kill of {name}", after=counts)
             os.kill(s.pids()[name], signal.SIGKILL)
 
-    assert complete_all(s.client, prompts, n=96, during=faults) == reference
+    assert complete_all(s.client, prompts, n=160, during=faults) == reference
     state = s.wait_serving()
     restarts = {p["name"]: p["restarts"] for p in state["processes"]}
     assert restarts["worker dp0 pp0 tp0"] == 1 and restarts["engine-core dp1"] == 1

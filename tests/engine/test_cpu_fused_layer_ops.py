@@ -105,3 +105,20 @@ def test_a_failed_build_leaves_plain_torch(monkeypatch):
     monkeypatch.setenv("VSUP_CPU_KERNELS", "0")  # ... is not even tried when switched off
     assert cpu_extension.load.__wrapped__() is False
 
+
+
+def test_every_process_builds_with_the_ninja_beside_its_python(monkeypatch, tmp_path):
+    """Another ninja first on the PATH (a system's 1.11) hashes the build commands otherwise than pip's:
+    a worker that used it would rebuild the whole extension, and the next one with pip's again."""
+    import shutil
+    import sysconfig
+
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    cpu_extension._put_ninja_on_path()
+    assert shutil.which("ninja") == os.path.join(sysconfig.get_path("scripts"), "ninja")
+    first = os.environ["PATH"]
+    cpu_extension._put_ninja_on_path()
+    assert os.environ["PATH"] == first  # not put first twice
