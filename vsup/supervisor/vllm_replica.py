@@ -177,12 +177,12 @@ class Tree:
     def first_to_die(self, proc):
         """The process whose end ended the tree. One whose parent was dead too when its end was seen
         followed it out (PR_SET_PDEATHSIG), and one that was told to stop by its parent: the parent is.
-        A parent that still ran then ended after it, even if it is gone by now: vLLM's engine core exits
-        0.9-2.4 s after its worker's kill -9 (the attribution looks 0.3 s after the first end it sees,
-        later still on a loaded machine). vLLM's processes never
-        end cleanly on their own; an engine core stops its workers before it exits, and sends SIGTERM to
-        those still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded machine
-        passes); a worker's own SIGTERM handler turns a kill -TERM from anyone else into exit 0."""
+        A parent that still ran then, or that reaped it (learn_reaped), ended after it, even if it is gone
+        by now: vLLM's engine core exits 0.9-2.4 s after its worker's kill -9, and a loaded machine may
+        see both ends at once. vLLM's processes never end cleanly on their own; an engine core stops its
+        workers before it exits, and sends SIGTERM to those still running after
+        VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded machine passes); a worker's own SIGTERM
+        handler turns a kill -TERM from anyone else into exit 0."""
         seen = set()
         while isinstance(proc, Observed) and proc.ppid not in seen:
             seen.add(proc.ppid)

@@ -30,6 +30,15 @@ void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, size] with contiguous rows");
 }
 
+// out = h / rms(h) * weight, one row
+inline void scale_by_rms(const float* h, float* out, const float* w, int64_t size, double eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < size; ++j) sum += h[j] * h[j];
+  const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
+  for (int64_t j = 0; j < size; ++j) out[j] = h[j] * inv * w[j];
+}
+
 }  // namespace
 
 namespace vsup {
@@ -49,15 +58,8 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
     for (int64_t i = begin; i < end; ++i) {
       float* xi = xp + i * xs;
       float* ri = rp + i * rs;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < size; ++j) {
-        const float h = ri[j] + xi[j];
-        ri[j] = h;
-        sum += h * h;
-      }
-      const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
-      for (int64_t j = 0; j < size; ++j) xi[j] = ri[j] * inv * w[j];
+      for (int64_t j = 0; j < size; ++j) ri[j] += xi[j];
+      scale_by_rms(ri, xi, w, size, eps);
     }
   });
 }
@@ -76,13 +78,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* xi = xp + i * xs;
-      float* oi = op + i * size;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < size; ++j) sum += xi[j] * xi[j];
-      const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
-      for (int64_t j = 0; j < size; ++j) oi[j] = xi[j] * inv * w[j];
+      scale_by_rms(xp + i * xs, op + i * size, w, size, eps);
     }
   });
   return out;
