@@ -153,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_dir())
     import uvicorn
 
-    # A sibling of other API servers on one port (SO_REUSEPORT) listens only once an engine core can take
-    # its requests: the kernel hands connections to every listening sibling, and a restarted one would
-    # answer its share 503 until its cores said Ready. Alone, it listens at once and answers /health
-    # "starting" meanwhile.
+    # "ready" is the event the supervisor waits for, and means that a request gets served: said once an
+    # engine core can take requests (in-process, the engine thread says it). A sibling of other API
+    # servers on one port (SO_REUSEPORT) also listens only then: the kernel hands connections to every
+    # listening sibling, and a restarted one would answer its share 503 until its cores said Ready.
+    # Alone, it listens at once and answers /health "starting" meanwhile.
     join_later = args.multiprocessing and args.listen_fd is None and args.api_server_count > 1
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)
@@ -164,25 +165,36 @@ def main(argv: list[str] | None = None) -> int:
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1, listen=not join_later)
 
     def say_ready() -> None:
-        # "ready" is the event the supervisor waits for: the socket listens, so no connection is refused;
-        # in-process, the engine thread says it once the core inside can take requests
         log.info("ready" if args.multiprocessing else "listening", host=args.host, port=sock.getsockname()[1],
                  multiprocessing=args.multiprocessing, api_key=bool(args.api_key))
 
-    async def join_the_port(client) -> None:
+    async def until_a_core_is_ready(client) -> bool:
         while not client.is_ready():
             if server.should_exit:  # stopped before any core came: uvicorn shuts down after startup
-                return
+                return False
             await asyncio.sleep(JOIN_POLL_S)
-        sock.listen(BACKLOG)
-        say_ready()
+        return True
 
-    app = build(args, before_serving=join_the_port if join_later else None)
+    async def join_the_port(client) -> None:
+        if await until_a_core_is_ready(client):
+            sock.listen(BACKLOG)
+            say_ready()
+
+    announcing = set()  # (a reference to the task, which the event loop holds only weakly)
+
+    async def announce_when_ready(client) -> None:
+        async def announce():
+            if await until_a_core_is_ready(client):
+                say_ready()
+        announcing.add(asyncio.get_running_loop().create_task(announce()))
+
+    if not args.multiprocessing:
+        say_ready()
+    app = build(args, before_serving=join_the_port if join_later else
+                announce_when_ready if args.multiprocessing else None)
     config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = uvicorn.Server(config)
-    if not join_later:
-        say_ready()
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then raises the signal again with the
     # handlers it found: found a no-op, a requested stop ends with exit code 0, as the other roles do
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

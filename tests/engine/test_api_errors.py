@@ -17,6 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.local_deployment import LocalDeployment, running, with_test_tokenizer
+from tests.polling import wait_for
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,10 +31,10 @@ def model_dir(tiny_model):
     shutil.rmtree(base, ignore_errors=True)
 
 
-def deployment(model_dir) -> LocalDeployment:
+def deployment(model_dir, env: dict | None = None) -> LocalDeployment:
     return LocalDeployment(model_dir, tempfile.mkdtemp(prefix="vsup-"), served_model_name="tiny", max_model_len=128,
                            kv_cache_bytes=8 << 20, api_args=("--api-key", KEY, "--max-request-body-bytes",
-                                                              str(BODY_LIMIT)))
+                                                              str(BODY_LIMIT)), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,11 @@ def wait_listening(url: str) -> httpx.Response:
     raise TimeoutError(url)
 
 
-def test_503_and_starting_health_while_no_engine_core_is_up(model_dir):
-    d = deployment(model_dir)
+def test_503_and_starting_health_while_no_engine_core_is_up_and_ready_only_once_one_is(model_dir):
+    """Alone, an API server listens at once and answers 503 "starting"; it logs `ready` (what the supervisor
+    waits for before it says "serving") only once an engine core can take requests: the first request
+    after it is served."""
+    d = deployment(model_dir, env={"VSUP_LOG_FORMAT": "json"})
     d.start_api_servers()  # no engine core
     try:
         health = wait_listening(d.url)
@@ -75,6 +79,14 @@ def test_503_and_starting_health_while_no_engine_core_is_up(model_dir):
         assert e.value.status_code == 503
         assert assert_openai_error(e.value.body, 503)["code"] == "engine_unavailable"
         assert [m.id for m in client.models.list().data] == ["tiny"]
+
+        def said_ready():
+            return any(json.loads(line).get("event") == "ready" for line in d.log("a0").splitlines()
+                       if line.startswith("{"))
+        assert not said_ready(), d.log("a0")
+        d.start_core(0)
+        wait_for(said_ready, timeout=120, what="the API server's ready once its core is", interval=0.01)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         d.stop()
         shutil.rmtree(d.run_dir, ignore_errors=True)
