@@ -21,6 +21,19 @@ def running(pid: int) -> bool:
         return False
 
 
+PF_EXITING = 0x4  # a flag of field 9: the process has begun to exit
+
+
+def ending(pid: int) -> bool:
+    """Gone, a zombie, or on its way out: a killed process's main thread has begun to exit (or is a
+    zombie already) while its other threads still end, which may take a while for a big one."""
+    try:
+        fields = _stat_fields(pid)
+        return fields[0] == "Z" or bool(int(fields[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
 UNSEEN_EXIT = "exited"  # what exit_status says of a process already reaped: only that it exited
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.polling import wait_for
+from vsup import procfs
 from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 from vsup.front.metrics import merge_replicas
@@ -176,41 +178,47 @@ def test_plan_engine_vllm_on_the_command_line():
 def test_the_tree_is_blamed_on_the_process_whose_end_ended_it(tmp_path):
     """A worker that exited 0 or died of its engine core's SIGTERM (sent after a 5 s grace a loaded machine
     passes) was told to stop: its engine core is blamed; a worker killed otherwise is; a process whose
-    parent was dead when its end was seen followed it out, but not one whose parent outlived it: vLLM's
-    engine core reaps its killed worker at once and exits a second or two later (CI saw both gone when it
-    looked). The hook's reap log says how a reaped worker ended, and that its parent outlived it."""
+    parent has ended too followed it out, but not one that its parent reaped: vLLM's engine core reaps its
+    killed worker at once and exits a second or two later (CI saw both gone when it looked). The hook's
+    reap log says how a reaped worker ended. A killed `vllm serve` that its supervisor has not reaped yet
+    (its main thread a zombie while the others end) has ended: its engine core followed it out (CI)."""
     from types import SimpleNamespace
 
     from vsup.supervisor.vllm_replica import REAP_LOG, Observed, Tree
 
     gone, gone_too = subprocess.Popen(["true"]), subprocess.Popen(["true"])
     gone.wait(), gone_too.wait()
-    root = SimpleNamespace(pid=gone.pid + 100_000, popen=SimpleNamespace(poll=lambda: None), alive=True)
+    zombie = subprocess.Popen(["true"])  # not reaped until the end
+    wait_for(lambda: procfs.ending(zombie.pid), timeout=10, what="a zombie")
+    assert not procfs.ending(os.getpid()) and procfs.running(zombie.pid) is False
 
-    def blamed(worker_exit, core_alive=True, core_exit=None, core_alive_at_exit=None, reaped=None):
+    def blamed(worker_exit, core_alive=True, core_exit=None, reaped=None, root_pid=os.getppid()):
+        root = SimpleNamespace(pid=root_pid, popen=SimpleNamespace(poll=lambda: None), alive=True,
+                               name="api-server a0")
         core = Observed(pid=os.getpid() if core_alive else gone_too.pid, ppid=root.pid, pidfd=None,
                         name="engine-core dp0", last_exit=core_exit)
-        worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit,
-                          parent_alive_at_exit=core_alive_at_exit)
+        worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit)
         tree = Tree(r=None, root=root, unit=None, socket="", dir=tmp_path, plan=None,
                     procs={core.pid: core, worker.pid: worker})
         (tmp_path / REAP_LOG).write_text(f"{root.pid} 0\nnot a line\n{worker.pid} {reaped}\n" if reaped is not None
                                          else "")
         tree.learn_reaped()
-        return tree.first_to_die(worker).name, worker.last_exit
+        return tree.name_of(tree.first_to_die(worker)), worker.last_exit
 
-    worker, core = "worker dp0 pp0 tp0", "engine-core dp0"
+    worker, core, root = "worker dp0 pp0 tp0", "engine-core dp0", "api-server a0"
     assert blamed("exit 0")[0] == core
     assert blamed("signal 15 (SIGTERM)")[0] == core
     assert blamed("signal 9 (SIGKILL)")[0] == worker
     assert blamed("exit 1")[0] == worker
     assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)")[0] == core
-    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_alive_at_exit=False)[0] == core
-    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="exit 1", core_alive_at_exit=True)[0] == worker
-    assert blamed("exit 0", core_alive=False, core_exit="exit 1", core_alive_at_exit=True)[0] == core
+    assert blamed("exit 0", core_alive=False, core_exit="exit 1")[0] == core
     # reaped by its engine core, which is gone too by the time the supervisor looks (its status unseen)
-    assert blamed("exited", core_alive=False, core_exit="exit 1", core_alive_at_exit=False,
-                  reaped=signal.SIGKILL) == (worker, "signal 9 (SIGKILL)")
-    assert blamed("exited", core_alive=False, core_exit="exit 0", core_alive_at_exit=False,
-                  reaped=0) == (core, "exit 0")
-    assert blamed("exited", core_alive=False, core_exit="exit 1", core_alive_at_exit=False)[0] == core
+    assert blamed("exited", core_alive=False, core_exit="exit 1", reaped=signal.SIGKILL) == (worker,
+                                                                                              "signal 9 (SIGKILL)")
+    assert blamed("exited", core_alive=False, core_exit="exit 0", reaped=0) == (core, "exit 0")
+    assert blamed("exited", core_alive=False, core_exit="exit 1")[0] == core
+    # `vllm serve` killed: the engine core and its worker follow it out, seen before the root is reaped
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)",
+                  root_pid=zombie.pid)[0] == root
+    assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)")[0] == core
+    zombie.wait()

@@ -41,7 +41,7 @@ class Observed:
     title: str | None = None
     alive: bool = True
     last_exit: str | None = None
-    parent_alive_at_exit: bool | None = None  # its parent ran on when its end was seen: it did not follow it out
+    reaped_by_parent: bool = False  # its parent waited for it (the hook's REAP_LOG): it did not follow it out
 
 
 @dataclass
@@ -154,7 +154,8 @@ class Tree:
         return self.root if proc.ppid == self.root.pid else self.procs.get(proc.ppid)
 
     def running(self, proc) -> bool:
-        return proc.popen.poll() is None if proc is self.root else procfs.running(proc.pid)
+        """Alive, and not on its way out (procfs.ending)."""
+        return (proc is not self.root or proc.popen.poll() is None) and not procfs.ending(proc.pid)
 
     def learn_reaped(self) -> None:
         """How each process that its parent waited for ended, and that its parent outlived it: the hook
@@ -172,17 +173,19 @@ class Tree:
             proc = self.procs.get(pid)
             if proc is not None and proc.last_exit in (None, procfs.UNSEEN_EXIT):
                 proc.last_exit = describe_exit(os.waitstatus_to_exitcode(status))
-                proc.parent_alive_at_exit = True
+                proc.reaped_by_parent = True
 
     def first_to_die(self, proc):
-        """The process whose end ended the tree. One whose parent was dead too when its end was seen
-        followed it out (PR_SET_PDEATHSIG), and one that was told to stop by its parent: the parent is.
-        A parent that still ran then, or that reaped it (learn_reaped), ended after it, even if it is gone
-        by now: vLLM's engine core exits 0.9-2.4 s after its worker's kill -9, and a loaded machine may
-        see both ends at once. vLLM's processes never end cleanly on their own; an engine core stops its
-        workers before it exits, and sends SIGTERM to those still running after
-        VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s, which a loaded machine passes); a worker's own SIGTERM
-        handler turns a kill -TERM from anyone else into exit 0."""
+        """The process whose end ended the tree, asked a moment after the first end was seen: one whose
+        parent has ended too followed it out (PR_SET_PDEATHSIG), and one that its parent told to stop: the
+        parent is. One that its parent reaped (learn_reaped) ended first, even if the parent is gone by now:
+        vLLM's engine core reaps a killed worker within milliseconds and exits on its own 0.9-2.4 s later,
+        which a loaded machine may see at once. (Whether the parent ran when the child's end was seen
+        tells nothing: a killed parent's children die of PR_SET_PDEATHSIG while its threads still end.)
+        vLLM's processes never end cleanly on their own; an engine core stops its workers before it
+        exits, and sends SIGTERM to those still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s,
+        which a loaded machine passes); a worker's own SIGTERM handler turns a kill -TERM from anyone else
+        into exit 0."""
         seen = set()
         while isinstance(proc, Observed) and proc.ppid not in seen:
             seen.add(proc.ppid)
@@ -190,7 +193,7 @@ class Tree:
             if parent is None or parent is self.root and proc.last_exit == "exit 0":
                 break
             told = proc.last_exit == "exit 0" or proc.last_exit == BY_SIGTERM and parent is not self.root
-            outlived = proc.parent_alive_at_exit if proc.parent_alive_at_exit is not None else self.running(parent)
+            outlived = proc.reaped_by_parent or self.running(parent)
             if not told and outlived:
                 break
             if parent is not self.root and parent.last_exit is None:

@@ -360,9 +360,6 @@ class VllmSupervisor(Supervisor):
         if isinstance(proc, Child):
             proc.reap()
         else:
-            if proc.parent_alive_at_exit is None:  # at once: its parent may end on its own a moment later
-                parent = tree.parent_of(proc)
-                proc.parent_alive_at_exit = parent is not None and tree.running(parent)
             os.close(proc.pidfd)
             proc.pidfd, proc.alive = None, False
             if proc.last_exit in (None, procfs.UNSEEN_EXIT):  # (we may have reaped it already, with its status)
