@@ -176,7 +176,7 @@ def test_a_tp_group_spans_two_nodes_and_heals_when_a_remote_worker_dies(serve, m
         mid_stream(streams, "the kill of the remote worker")
         os.kill(node.pids()["worker dp0 pp0 tp1"], 9)
 
-    assert complete_all(head.client, prompts, during=kill_remote_worker) == reference
+    assert complete_all(head.client, prompts, n=n, during=kill_remote_worker) == reference
     restarts = {p["name"]: p["restarts"] for p in node.wait_serving()["processes"]}
     assert restarts == {"worker dp0 pp0 tp1": 1}  # node 1 restarted its worker
     head_restarts = {p["name"]: p["restarts"] for p in head.wait_serving()["processes"] if p.get("pid")}
