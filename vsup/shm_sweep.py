@@ -68,3 +68,8 @@ def sweep(run_dir: Path) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def sweep_deployment(run_dir: Path) -> list[str]:
+    """sweep() for each tree of a deployment: its run dir, and one dir per replica (rN) with --replicas."""
+    return [name for tree_dir in [run_dir, *sorted(run_dir.glob("r[0-9]*"))] for name in sweep(tree_dir)]

@@ -55,11 +55,23 @@ def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_m
 
 def test_a_vllm_that_dies_at_start_up_gives_up_quoting_its_error(vllm_bin, vllm_model, tmp_path):
     """vLLM refuses a --max-model-len past the model's 512 positions, at every start: the start limit ends
-    it, and the message quotes vLLM's own error."""
+    it, and the message quotes vLLM's own error. Before it starts anything, the supervisor removes what an
+    earlier run of the deployment listed and left (as when systemd killed that run's janitor with it)."""
+    run_dir = tmp_path / "vllm-bad"
+    run_dir.mkdir(mode=0o700)
+    left = Path("/dev/shm") / f"psm_vsup_test_{os.getpid()}"
+    left.write_bytes(b"x")
+    (left_tmp := tmp_path / "vsup-vllm-earlier").mkdir()
+    (run_dir / "shm.txt").write_text(f"shared_memory /{left.name}\n")
+    (run_dir / "tmpdir").write_text(str(left_tmp))
     s = serve_vllm(tmp_path, vllm_model, "--max-model-len", "4096", "--max-restarts", "0", name="vllm-bad")
     out, err = s.proc.communicate(timeout=280)
     assert s.proc.returncode == 1
     assert "0 restarts within 300 s" in err and "max_model_len" in err, err
+    assert not left.exists() and not left_tmp.exists()
+    logged = [json.loads(line) for line in s.vsup("logs", "--role", "supervisor", "--json").stdout.splitlines()]
+    assert any(r["event"] == "removed what an earlier run left in /dev/shm" and r["entries"] == [left.name]
+               for r in logged), logged
 
 
 def test_bad_vllm_flags_exit_2_before_anything_starts(vllm_bin, vllm_model, tmp_path):

@@ -35,8 +35,7 @@ def main(run_dir: str) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return
-    for tree_dir in [path, *sorted(path.glob("r[0-9]*"))]:  # (one dir per replica with --replicas)
-        shm_sweep.sweep(tree_dir)
+    shm_sweep.sweep_deployment(path)
 
 
 if __name__ == "__main__":
