@@ -156,8 +156,8 @@ class VllmSupervisor(Supervisor):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _: self.request_stop(f"{signal.Signals(signum).name} received"))
         signal.set_wakeup_fd(self.wake_w)
-        # what an earlier supervisor of this deployment left, if its janitor was killed too (systemd ends a
-        # unit's whole cgroup): it holds no longer, as we hold the deployment's lock
+        # what an earlier run of this deployment left, if its janitor was killed with it (systemd ends a
+        # unit's whole cgroup); no other run uses it, as this one holds the deployment's lock
         removed = shm_sweep.sweep_deployment(self.run_dir.path)
         if removed:
             self.log("removed what an earlier run left in /dev/shm", "warning", entries=removed)
