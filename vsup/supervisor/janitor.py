@@ -1,11 +1,10 @@
-"""`python -m vsup.supervisor.janitor RUN_DIR`: what a stock vLLM tree leaves when vsup itself is killed.
+"""`python -m vsup.supervisor.janitor RUN_DIR PID`: what a stock vLLM tree leaves when vsup itself is killed.
 
-The supervisor starts it with a pipe on stdin and never writes to it. When the
-supervisor exits, however it exits, the pipe closes; the janitor then waits (at
-most 5 s) until the tree's processes are gone, removes the /dev/shm entries the
-tree made (listed in RUN_DIR/shm.txt; with --replicas, RUN_DIR/rN/shm.txt for
-each) and its temporary dir, and exits. After a normal stop the supervisor has
-done this already and the janitor finds nothing.
+The supervisor (PID) starts it. The janitor waits on a pidfd of the supervisor until it
+exits, however it exits; then waits (at most 5 s) until the tree's processes are gone,
+removes the /dev/shm entries the tree made (listed in RUN_DIR/shm.txt; with --replicas,
+RUN_DIR/rN/shm.txt for each) and its temporary dir, and exits. After a normal stop the
+supervisor has done this already and the janitor finds nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -20,8 +20,11 @@ from pathlib import Path
 from vsup import procfs, shm_sweep
 
 
-def main(run_dir: str) -> None:
-    sys.stdin.buffer.read()  # until the supervisor's end closes
+def main(run_dir: str, supervisor: int) -> None:
+    try:
+        select.select([os.pidfd_open(supervisor)], [], [])  # readable once it has exited
+    except ProcessLookupError:
+        pass  # (gone already)
     path = Path(run_dir)
     try:
         pids = [p["pid"] for p in json.loads((path / "state.json").read_text())["processes"] if p.get("pid")]
@@ -40,4 +43,4 @@ def main(run_dir: str) -> None:
 
 if __name__ == "__main__":
     os.setsid()  # not in the tree's process group: a kill of the group must leave it to clean up
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

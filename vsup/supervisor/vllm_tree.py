@@ -100,12 +100,9 @@ class VllmSupervisor(Supervisor):
         import subprocess
         import sys
 
-        r, w = os.pipe()
-        proc = subprocess.Popen([sys.executable, "-m", "vsup.supervisor.janitor", str(self.run_dir.path)], stdin=r,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
-        os.close(r)
-        self.janitor_pipe = w  # never written: it closes when this process exits, however it exits
-        return proc
+        return subprocess.Popen([sys.executable, "-m", "vsup.supervisor.janitor", str(self.run_dir.path),
+                                 str(os.getpid())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True)
 
     # who is who
 
