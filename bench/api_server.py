@@ -22,7 +22,7 @@ On SmolLM2-135M-Instruct (float32, CPU), measured from this process (httpx async
     /tokenize) and "mixed" (half of the clients to /v1/completions with max_tokens=1, which adds
     their prefills to the core's steps; full runs only). Each side's loaded ITL p99 over its own
     calm ITL p99 in the same run (1.0: the load does not reach the decode), and each side's
-    throughput at 16 and 64 streams, round by round, the order rotating. The sides: vsup serve at
+    throughput at 1, 16 and 64 streams, round by round, the order rotating. The sides: vsup serve at
     each placement (vsup/placement.py: the default, which keeps a core for the API server and
     engine core apart from the worker's; --cpu-reserve 0, the model on every core; the same with
     the API server at nice 10 (--cpu-reserve 0 leaves it at 0: renice'd by the bench);
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-words", type=int, default=4000, help="words of each long text (~1 token each)")
     parser.add_argument("--claim-sides", default=",".join(CLAIM_SIDES),
                         help=f"(b) sides, of {', '.join(CLAIM_SIDES)} (vLLM's only when it is installed)")
-    parser.add_argument("--claim-concurrency", default="16,64", help="(b) stream counts of each side's throughput")
+    parser.add_argument("--claim-concurrency", default="1,16,64", help="(b) stream counts of each side's throughput")
     parser.add_argument("--client-cpus", choices=("last", "all"), default="last",
                         help="(b) where its clients run: the last CPU (the one kept for the API server), or any")
     parser.add_argument("--load-warmup-s", type=float, default=1.0)

@@ -385,6 +385,12 @@ class Report:
             got = f["vsup"]["tokenize"]["ratio_p99_vs_unloaded"]
             self.goal("seed's claim: under tokenize load, the default placement's ITL p99 ratio <= 1.2",
                       f"{got:.2f}", "holds in this run" if got <= 1.2 else "does not hold in this run")
+        if "reserve0" in f and "vllm_all" in f:  # issue 20: the model on every core on both sides
+            for c in streams:
+                x = f["reserve0"]["tokens_per_s"][c] / f["vllm_all"]["tokens_per_s"][c]
+                goal = " >= 1.3" if c in ("16", "64") else " (no goal set)"
+                self.goal(f"throughput at {c} streams, vsup --cpu-reserve 0 / vLLM-CPU on both cores{goal}", f"{x:.2f}",
+                          ("met" if x >= 1.3 else "not met") if c in ("16", "64") else "-")
 
         def draw():
             fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -425,7 +431,10 @@ class Report:
                 bars.append(("kill -9 to next token / cold start to first token", kill / first, "lower is better"))
             bars += [("log router lines/s / direct file", log["routed_over_direct"], "higher is better"),
                      ("vsup ps / import typer", ps["ratio"], "lower is better")]
-            self.goal("`vsup ps` / `import typer` (no goal set)", f"{ps['ratio']:.2f}", "-")
+            self.goal("`vsup ps` / `import typer` <= 1.3", f"{ps['ratio']:.2f}",
+                      "met" if ps["ratio"] <= 1.3 else "not met")
+            self.goal("log router lines/s / a child writing its own file >= 0.5", f"{log['routed_over_direct']:.2f}",
+                      "met" if log["routed_over_direct"] >= 0.5 else "not met")
         p = self.need("plan_latency")
         if p is not None:
             self.add(f"- `vsup plan -tp 4`: {p['vsup_plan_s'] * 1e3:.0f} ms, **{p['ratio']:.2f}x** `import typer` "
