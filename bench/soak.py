@@ -135,6 +135,18 @@ def classify(outcomes: list[dict], kills: list[dict]) -> Counter:
     return counts
 
 
+def when(outcome: dict, kills: list[dict]) -> dict:
+    """A request that did not succeed: its class, and its start and end against the last kill before its end."""
+    before = [k for k in kills if k["at"] <= outcome["end"]]
+    cut = classify([outcome], kills)
+    where = {"class": next(iter(cut))}
+    if before:
+        k = before[-1]
+        where.update(last_kill=k["name"], start_s=round(outcome["start"] - k["at"], 2),
+                     end_s=round(outcome["end"] - k["at"], 2))
+    return where
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_mode_args(parser)
@@ -196,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                 [[role, at_start[role]["processes"], at_start[role]["rss_mb"], at_end[role]["rss_mb"],
                   growth[role]["rss_mb"], at_start[role]["fds"], at_end[role]["fds"], growth[role]["fds"]]
                  for role in growth])
-    failed = [o["error"] for o in load.outcomes if not o["ok"]]
+    failed = [{"error": o["error"], **when(o, kills)} for o in load.outcomes if not o["ok"]]
+    for f in failed:
+        if f["class"] == "failed":
+            print(f"failed: {f}")
     write_results("soak", {"conditions": cond, "minutes": minutes, "streams": streams, "tokens": n,
-                           "kills": kills, "requests": dict(counts), "errors": failed[:20],
+                           "kills": kills, "requests": dict(counts),
+                           "errors": sorted(failed, key=lambda f: f["class"] != "failed")[:20],
                            "resources": {"start": at_start, "end": at_end, "growth": growth},
                            "stop_exit_code": code}, run_mode)
     return 0 if code == 0 and not counts["failed"] and not counts["different"] else 1
