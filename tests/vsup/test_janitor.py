@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.polling import wait_for
 from vsup import shm_sweep
 
 HOLD_LOCK = """
@@ -39,6 +39,7 @@ def deployment(tmp_path):
                                   stdout=subprocess.PIPE, text=True)
     assert supervisor.stdout.readline() == "locked\n"
     janitor = subprocess.Popen([sys.executable, "-m", "vsup.supervisor.janitor", str(tmp_path), str(supervisor.pid)])
+    wait_for(lambda: watching(janitor.pid), timeout=30, what="the janitor waiting on the supervisor's pidfd")
     yield tmp_path, entry, supervisor, janitor
     for proc in (supervisor, janitor):
         proc.kill()
@@ -46,9 +47,18 @@ def deployment(tmp_path):
     entry.unlink(missing_ok=True)
 
 
+def watching(pid: int) -> bool:
+    """The process holds a pidfd: the janitor has begun its wait for the supervisor's end."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any("pidfd" in os.readlink(fd) for fd in fds.iterdir())
+    except OSError:
+        return False
+
+
 def test_a_killed_supervisors_listed_entries_go_and_the_janitor_exits(deployment):
     run_dir, entry, supervisor, janitor = deployment
-    time.sleep(0.5)  # (the janitor is up and waiting; nothing may go while the supervisor lives)
+    # the janitor waits (the fixture saw its pidfd), and nothing goes while the supervisor lives
     assert entry.exists() and janitor.poll() is None
     os.kill(supervisor.pid, signal.SIGKILL)
     supervisor.wait()
