@@ -10,7 +10,7 @@ def test_the_log_rotates_past_its_size_and_keeps_five_older_files(tmp_path):
     path = tmp_path / "vsup.jsonl"
     writer = JsonlWriter(path, rotate_bytes=1000, keep=5)
     for i in range(400):  # ~40 bytes each: 16 rotations
-        writer.write({"event": "line", "n": i})
+        writer.write([{"event": "line", "n": i}])
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vsup.jsonl", *[f"vsup.jsonl.{i}" for i in range(1, 6)]]
     numbers = [json.loads(line)["n"] for name in ("vsup.jsonl.5", "vsup.jsonl.4", "vsup.jsonl.3", "vsup.jsonl.2",
@@ -25,12 +25,12 @@ def test_records_wait_for_a_flush_and_then_land_in_order(tmp_path):
     path = tmp_path / "vsup.jsonl"
     writer = JsonlWriter(path)
     for i in range(3):
-        writer.write({"event": "line", "n": i, "at": tmp_path})  # a Path: written as its text
+        writer.write([{"event": "line", "n": i, "at": tmp_path}])  # a Path: written as its text
     assert path.read_text() == ""  # one write a batch, not one a line
     writer.flush()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"event": "line", "n": i, "at": str(tmp_path)} for i in range(3)]
-    writer.write({"event": "last"})
+    writer.write([{"event": "last"}])
     writer.close()  # flushes
     assert json.loads(path.read_text().splitlines()[-1]) == {"event": "last"}
 

@@ -195,7 +195,7 @@ def test_a_worker_and_its_core_dead_in_one_select_are_each_handled_once(home):
     run_dir.create()
     records = []
     sup = Supervisor(fake_plan(1, 1), run_dir, Options("/models/fake", "http://127.0.0.1:1", RestartPolicy("never")),
-                     LogRouter([records.append]))
+                     LogRouter([records.extend]))
     pair = [next(c for c in sup.children if c.spec.name == name) for name in ("worker dp0 pp0 tp0", "engine-core dp0")]
     for child in pair:  # the worker exits first: epoll hands its pidfd over first
         child.popen = subprocess.Popen([sys.executable, "-c", ""])

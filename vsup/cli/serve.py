@@ -170,7 +170,7 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
         from vsup.supervisor.vllm_tree import VllmSupervisor
 
         supervisor = VllmSupervisor(the_plan, run_dir, run, router, vllm)
-    router.sinks.append(supervisor.on_record)
+    router.sinks.append(supervisor.on_records)
     router.on_load = supervisor.on_load
     router.start()
     try:

@@ -29,7 +29,7 @@ def tag_line(line: str, stream: str, tag: dict, ts: str | None = None) -> dict:
     """One record of vsup.jsonl: ts, level, name, role, ranks, pid, stream, event, and the child's extras.
     `ts`: when the line arrived (now, if not given), for a line that does not say when it was written."""
     parsed = None
-    if line.startswith("{"):
+    if line.lstrip().startswith("{"):  # (as tag_json_lines reads it)
         try:
             parsed = _json_decoder().decode(line)
         except ValueError:  # (msgspec's DecodeError is one)
@@ -37,6 +37,25 @@ def tag_line(line: str, stream: str, tag: dict, ts: str | None = None) -> dict:
     if not (isinstance(parsed, dict) and "event" in parsed):
         return {"ts": ts or now_iso(), "level": "error" if stream == "stderr" else "info", **tag, "stream": stream,
                 "event": line}
+    return _from_json(parsed, stream, tag, ts)
+
+
+def tag_json_lines(data: bytes, stream: str, tag: dict, ts: str) -> list[dict] | None:
+    """The records of whole lines (`data` ends with a newline), each a JSON object with an event, as
+    tag_line makes them, decoded in one call; None when any line is not such an object (then tag them
+    one by one). Blank lines give no record, as with tag_line's caller."""
+    try:
+        parsed = _json_decoder().decode_lines(data)
+    except ValueError:
+        return None
+    if len(parsed) != data.count(b"\n"):  # a blank line, or two objects on one line: leave it to tag_line
+        return None
+    if not all(type(p) is dict and "event" in p for p in parsed):
+        return None
+    return [_from_json(p, stream, tag, ts) for p in parsed]
+
+
+def _from_json(parsed: dict, stream: str, tag: dict, ts: str | None) -> dict:
     record = {"ts": parsed.pop("timestamp", None) or ts or now_iso(), "level": str(parsed.pop("level", "info")).lower(),
               **tag, "stream": stream, "event": str(parsed.pop("event"))}
     for key, value in parsed.items():

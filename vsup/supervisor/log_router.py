@@ -18,7 +18,7 @@ from typing import Callable, TextIO
 
 import msgspec
 
-from vsup.supervisor.log_format import is_load_report, now_iso, render, supervisor_record, tag_line
+from vsup.supervisor.log_format import is_load_report, now_iso, render, supervisor_record, tag_json_lines, tag_line
 
 LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
 ROTATE_BYTES = 16 << 20
@@ -29,11 +29,12 @@ class JsonlWriter:
     """Append records to vsup.jsonl; past ROTATE_BYTES, shift to vsup.jsonl.1 ... .KEEP_FILES.
 
     Records collect in memory until `flush()` (the router flushes after each read of a pipe, and after
-    each record of the supervisor's own), so a burst of lines costs one write, not one a line."""
+    each record of the supervisor's own), so a burst of lines costs one encode and one write, not one a
+    line. A file rotates after the batch that takes it past its size."""
 
     def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES, keep: int = KEEP_FILES):
         self.path, self.rotate_bytes, self.keep = path, rotate_bytes, keep
-        self.encode = msgspec.json.Encoder(enc_hook=str).encode  # anything else JSON cannot hold, as text
+        self.encode_lines = msgspec.json.Encoder(enc_hook=str).encode_lines  # anything else JSON cannot hold, as text
         self.pending: list[bytes] = []
         self.fd = self._open()
         self.size = os.fstat(self.fd).st_size
@@ -41,10 +42,10 @@ class JsonlWriter:
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
-    def write(self, record: dict) -> None:
-        line = self.encode(record) + b"\n"
-        self.pending.append(line)
-        self.size += len(line)
+    def write(self, records: list[dict]) -> None:
+        data = self.encode_lines(records)
+        self.pending.append(data)
+        self.size += len(data)
         if self.size >= self.rotate_bytes:
             self.flush()
             os.close(self.fd)
@@ -85,11 +86,12 @@ class Console:
         self.thread = threading.Thread(target=self._run, name="console", daemon=True)
         self.thread.start()
 
-    def write(self, record: dict) -> None:
-        try:
-            self.pending.put_nowait(record)
-        except queue.Full:
-            self.dropped += 1
+    def write(self, records: list[dict]) -> None:
+        for record in records:
+            try:
+                self.pending.put_nowait(record)
+            except queue.Full:
+                self.dropped += 1
 
     def close(self, timeout: float = 2.0) -> None:
         """Print what is still queued (for at most `timeout`), and say what was dropped."""
@@ -112,8 +114,8 @@ class Console:
 class LogRouter(threading.Thread):
     """Pumps lines from child pipes to the sinks until stopped."""
 
-    def __init__(self, sinks: list[Callable[[dict], None]], flushes: list[Callable[[], None]] = ()):
-        """`sinks` take each record; `flushes` are called after each batch of them (JsonlWriter.flush)."""
+    def __init__(self, sinks: list[Callable[[list[dict]], None]], flushes: list[Callable[[], None]] = ()):
+        """`sinks` take each batch of records, in order; `flushes` are called after each (JsonlWriter.flush)."""
         super().__init__(name="log-router", daemon=True)
         self.sinks, self.flushes = sinks, list(flushes)
         self.lock = threading.Lock()  # the main thread emits its own records too
@@ -130,11 +132,10 @@ class LogRouter(threading.Thread):
         self.emit_all([record])
 
     def emit_all(self, records: list[dict]) -> None:
-        """Each record to every sink, then flush: one batch, one lock."""
+        """The records to every sink, then flush: one batch, one lock."""
         with self.lock:
-            for record in records:
-                for sink in self.sinks:
-                    sink(record)
+            for sink in self.sinks:
+                sink(records)
             for f in self.flushes:
                 f()
 
@@ -183,22 +184,17 @@ class LogRouter(threading.Thread):
                     continue
                 buf = buffers[pipe]
                 buf += chunk
-                *lines, rest = buf.split(b"\n")
-                if not chunk:  # EOF: the child closed it (it exited)
-                    lines, rest = [*lines, rest] if rest else lines, b""
+                if not chunk:  # EOF: the child closed it (it exited); its last line may lack a newline
+                    buf += b"\n" if buf else b""
                     self.selector.unregister(pipe)
                     os.close(pipe)
                     self.open_pipes -= 1
-                buffers[pipe] = bytearray(rest)
-                arrived = now_iso()  # the time of every line of this read that does not say its own
-                records = []
-                for raw in lines:
-                    if stream == HELLO:  # a hook connection's first line says whose it is
-                        stream, tag = self._hello(raw, pipe, chunk)
-                        continue
-                    record = self._record(raw.decode(errors="replace").rstrip("\r"), stream, tag, arrived)
-                    if record is not None:
-                        records.append(record)
+                end = buf.rfind(b"\n") + 1  # what is after it waits for the rest of its line
+                if not end:
+                    continue
+                whole = bytes(buf[:end])
+                del buf[:end]
+                records = self._records(whole, stream, tag, pipe, chunk)
                 if records:
                     self.emit_all(records)
             if self.stopping and not self.selector.select(timeout=0):
@@ -232,20 +228,37 @@ class LogRouter(threading.Thread):
             self.selector.modify(fd, selectors.EVENT_READ, (stream, tag))
         return stream, tag
 
-    def _record(self, line: str, stream: str, tag: dict, arrived: str | None = None) -> dict | None:
-        """The record of one line for the sinks; None for a blank line, a dropped connection's, or a load
-        report (handed to `on_load`)."""
-        if not line or line.isspace() or stream == DROP:
-            return None
-        record = (self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag
-                  else tag_line(line, stream, tag, arrived))
+    def _records(self, whole: bytes, stream: str, tag: dict | None, fd: int, chunk: bytes) -> list[dict]:
+        """The records of whole lines read from `fd` for the sinks."""
+        arrived = now_iso()  # the time of every line of this read that does not say its own
+        if stream == "stdout" and "hook_pid" not in tag:  # a child of our engine: JSON lines, tagged in one go
+            records = tag_json_lines(whole, stream, tag, arrived)
+            if records is not None:
+                return [record for record in records if self._kept(record, stream, None)]
+        records = []
+        for raw in whole.split(b"\n")[:-1]:
+            if stream == HELLO:  # a hook connection's first line says whose it is
+                stream, tag = self._hello(raw, fd, chunk)
+                continue
+            line = raw.decode(errors="replace").rstrip("\r")
+            if not line or line.isspace() or stream == DROP:
+                continue
+            record = (self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag
+                      else tag_line(line, stream, tag, arrived))
+            if self._kept(record, stream, line):
+                records.append(record)
+        return records
+
+    def _kept(self, record: dict, stream: str, line: str | None) -> bool:
+        """Whether a record goes to the sinks: not a load report (handed to `on_load`). Keeps a process's
+        last stderr lines and logged errors for its exit message."""
         if self.on_load is not None and is_load_report(record):
             self.on_load(record)
-            return None
+            return False
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON
             said = record.get("error") or record.get("exception")
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(
                 f"{record.get('event')}: {said}" if said else str(record.get("event")))
-        return record
+        return True

@@ -93,14 +93,15 @@ class Supervisor:
         """Called on the router's thread for every child's load report: the last one is kept for ps."""
         self.loads[record["name"]] = {**record, "received_at": time.time()}
 
-    def on_record(self, record: dict) -> None:
-        """Called on the router's thread for every line: READY reports wake the main loop."""
-        if record.get("event") == "ready" and record.get("stream") == "stdout":
-            self.ready_events.append(record["name"])
-            os.write(self.wake_w, b"r")
-        elif record.get("event") == "drained" and record.get("stream") == "stdout":
-            self.graceful.drained.append(record["name"])
-            os.write(self.wake_w, b"d")
+    def on_records(self, records: list[dict]) -> None:
+        """Called on the router's thread for every batch of lines: READY reports wake the main loop."""
+        for record in records:
+            if record.get("event") == "ready" and record.get("stream") == "stdout":
+                self.ready_events.append(record["name"])
+                os.write(self.wake_w, b"r")
+            elif record.get("event") == "drained" and record.get("stream") == "stdout":
+                self.graceful.drained.append(record["name"])
+                os.write(self.wake_w, b"d")
 
     # the loop
 
