@@ -4,10 +4,12 @@
         --model DIR --served-model-name NAME --host 127.0.0.1 --port 8000 \
         --engine-address ipc://RUN/a0-engines.sock [--api-key KEY] [--max-model-len L] [--no-multiprocessing]
 
-Several API servers share one port: each binds its own socket with
-SO_REUSEPORT and the kernel spreads connections across them (or the
-supervisor hands one over with --listen-fd). Flags meant for other roles
-pass through untouched.
+Several API servers share one port. Under vsup they serve one socket that
+the supervisor bound and holds (--listen-fd): a connection waiting to be
+accepted is taken by whichever is free, and outlives the death of any one
+of them. Started by hand, each binds its own with SO_REUSEPORT and the
+kernel spreads connections across them (and resets those waiting for one
+that dies). Flags meant for other roles pass through untouched.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--listen-fd", type=int, default=None, help="serve on this inherited listening socket instead")
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="serve on this inherited socket, bound to --host and --port by the supervisor (default: "
+                        "bind them here)")
     p.add_argument("--engine-address", default=None, help="the ROUTER this API server binds for its engine cores")
     p.add_argument("--api-key", default=os.environ.get(ENV_API_KEY) or None, help=f"or ${ENV_API_KEY}")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -155,13 +159,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # "ready" is the event the supervisor waits for, and means that a request gets served: said once an
     # engine core can take requests (in-process, the engine thread says it). A sibling of other API
-    # servers on one port (SO_REUSEPORT) also listens only then: the kernel hands connections to every
-    # listening sibling, and a restarted one would answer its share 503 until its cores said Ready.
-    # Alone, it listens at once and answers /health "starting" meanwhile.
-    join_later = args.multiprocessing and args.listen_fd is None and args.api_server_count > 1
+    # servers on one port also takes connections only then: it would answer them 503 until its cores
+    # said Ready, while its siblings could serve them. So does one alone on the supervisor's socket when
+    # that socket listened before (a restart): connections wait in its queue, and are served a moment
+    # later. Alone at the start, it listens at once and answers /health "starting" meanwhile.
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)
+        restarted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        join_later = args.multiprocessing and (args.api_server_count > 1 or restarted)
     else:
+        join_later = args.multiprocessing and args.api_server_count > 1
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1, listen=not join_later)
 
     def say_ready() -> None:

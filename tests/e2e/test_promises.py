@@ -9,6 +9,7 @@ is left and still stops cleanly; an API server's death costs only its own connec
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -179,37 +180,85 @@ def test_an_api_servers_death_restarts_it_alone_and_drops_only_its_own_connectio
     assert s.stop()[0] == 0
 
 
-def listeners(port: int) -> int:
-    """How many sockets listen on the port (API servers sharing it with SO_REUSEPORT: one each)."""
-    out = subprocess.run(["ss", "-Hltn", f"( sport = :{port} )"], capture_output=True, text=True, check=True)
-    return len(out.stdout.splitlines())
+def send_completion(port: int, prompt: str) -> http.client.HTTPConnection:
+    """A connection made and a completion request sent on it; its answer is read later (`answer`)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn
 
 
-def test_a_restarted_api_server_takes_connections_only_once_an_engine_core_is_ready(serve):
-    """The kernel spreads connections over every socket listening on a shared port: a restarted API server
-    that listened before its engine core said Ready would answer its share 503. Frozen, the core cannot
-    tell the new a1 it is there, so a1 must stay off the port; thawed, a1 joins and every request is served."""
+def answer(conn: http.client.HTTPConnection) -> str:
+    response = conn.getresponse()
+    assert response.status == 200, (response.status, response.read())
+    return json.loads(response.read())["choices"][0]["text"]
+
+
+def taken(pid: int, port: int, conns) -> set[int]:
+    """Which of these connections (by client port) the process holds: it accepted them."""
+    mine = {conn.sock.getsockname()[1] for conn in conns}
+    return {c.raddr.port for c in psutil.Process(pid).net_connections("tcp")
+            if c.laddr.port == port and c.raddr and c.raddr.port in mine}
+
+
+def test_waiting_connections_outlive_an_api_servers_death_and_a_restarted_one_takes_them_only_when_ready(serve):
+    """The API servers serve one socket that the supervisor holds. All frozen, 8 requests are sent: their
+    connections wait in its queue, none accepted. kill -9 of a1 resets none of them (an API server with a
+    socket of its own took those waiting for it along); a0, thawed, takes them all. The new a1 takes none
+    while its engine core is frozen (it would answer them 503), and all 8 get the fault-free text once the
+    core is thawed; then, a0 frozen again, a1 alone serves a new connection."""
     s = serve("--api-server-count", "2")
     s.wait_serving()
     prompts = [f"the {i} way" for i in range(8)]
     reference = complete_all(s.client, prompts)
-    assert listeners(s.port) == 2
-    core, old = s.pids()["engine-core dp0"], s.pids()["api-server a1"]
+    pids = s.pids()
+    core, a0, old = pids["engine-core dp0"], pids["api-server a0"], pids["api-server a1"]
 
     def new_a1_waits_for_its_core():
         pid = s.pids().get("api-server a1")
         records = [json.loads(line) for line in s.vsup("logs", "--json", "--role", "api-server").stdout.splitlines()]
-        return pid != old and any(r["pid"] == pid and r["event"] == "waiting for engine cores" for r in records)
-    os.kill(core, signal.SIGSTOP)
+        return pid != old and any(r["pid"] == pid and r["event"] == "waiting for engine cores" for r in records) and pid
+    for pid in (core, a0, old):
+        os.kill(pid, signal.SIGSTOP)
     try:
+        conns = [send_completion(s.port, prompt) for prompt in prompts]  # queued: nobody accepts
+        assert not taken(a0, s.port, conns) and not taken(old, s.port, conns)
         os.kill(old, signal.SIGKILL)
-        wait_for(new_a1_waits_for_its_core, 60, "the new api-server a1 waiting for its engine core")
-        assert listeners(s.port) == 1  # a0's only
+        a1 = wait_for(new_a1_waits_for_its_core, 60, "the new api-server a1 waiting for its engine core")
+        os.kill(a0, signal.SIGCONT)
+        wait_for(lambda: len(taken(a0, s.port, conns)) == len(conns), 30, "a0 taking the 8 waiting connections")
+        assert not taken(a1, s.port, conns)
         assert {p["name"]: p["state"] for p in s.ps()["processes"]}["api-server a1"] != "ready"
     finally:
-        os.kill(core, signal.SIGCONT)
-    wait_for(lambda: listeners(s.port) == 2, 30, "a1 listening once its core is back")
-    assert complete_all(s.client, prompts) == reference
+        for pid in (a0, core):
+            os.kill(pid, signal.SIGCONT)
+    assert [answer(conn) for conn in conns] == reference
+    wait_for(lambda: {p["name"]: p["state"] for p in s.ps()["processes"]}["api-server a1"] == "ready", 60,
+             "a1 ready once its core is back")
+    os.kill(a0, signal.SIGSTOP)
+    try:
+        conn = send_completion(s.port, prompts[0])
+        assert answer(conn) == reference[0] and taken(a1, s.port, [conn])
+    finally:
+        os.kill(a0, signal.SIGCONT)
+    assert s.stop()[0] == 0
+
+
+def test_connections_made_while_the_only_api_server_restarts_wait_for_the_new_one(serve):
+    """One API server, frozen: 4 requests are sent, their connections wait in the supervisor's socket. kill -9
+    of it: the new one takes them, and each gets the fault-free text (no refusal, no reset)."""
+    s = serve()
+    s.wait_serving()
+    prompts = [f"the {i} way" for i in range(4)]
+    reference = complete_all(s.client, prompts)
+    old = s.pids()["api-server a0"]
+    os.kill(old, signal.SIGSTOP)
+    conns = [send_completion(s.port, prompt) for prompt in prompts]
+    assert not taken(old, s.port, conns)
+    os.kill(old, signal.SIGKILL)
+    assert [answer(conn) for conn in conns] == reference
+    state = s.wait_serving()
+    assert {p["name"]: p["restarts"] for p in state["processes"] if p["restarts"]} == {"api-server a0": 1}
     assert s.stop()[0] == 0
 
 

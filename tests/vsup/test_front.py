@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -152,12 +154,15 @@ def _holds(ids, marker):
 class Front:
     """The front process, with the test as its supervisor."""
 
-    def __init__(self, upstream: str, *flags: str, more_upstreams: tuple[str, ...] = ()):
-        self.port = free_port()
+    def __init__(self, upstream: str, *flags: str, more_upstreams: tuple[str, ...] = (),
+                 held: socket.socket | None = None):
+        """`held`: the port's socket, bound and held by the test as the supervisor holds it (--listen-fd)."""
+        self.port = held.getsockname()[1] if held else free_port()
         upstreams = [x for path in (upstream, *more_upstreams) for x in ("--upstream", path)]
+        listen = ["--listen-fd", str(held.fileno())] if held else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(self.port), *upstreams,
-             "--drain-timeout", "5", *flags],
+             "--drain-timeout", "5", *listen, *flags], pass_fds=(held.fileno(),) if held else (),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "VSUP_API_KEY": KEY, "VSUP_FRONT_UPSTREAM_KEY": UPSTREAM_KEY})
         self.lines: list[str] = []  # read as it comes, or the front would block on a full pipe
@@ -241,6 +246,34 @@ def fault_free_text(prompt: str, n: int) -> str:
         ids.append(next_token(ids))
         out.append(f" w{ids[-1]}")
     return "".join(out)
+
+
+def test_a_request_waiting_for_a_front_that_dies_is_answered_by_the_next_one_on_the_held_socket(stand_in):
+    """The supervisor holds the port's socket and each front serves it: a request sent while the front is
+    frozen (its connection waits, not accepted) survives the front's kill -9 and is answered by the next
+    front; a front with a socket of its own would have taken it along (a reset)."""
+    flags = ("--max-resumes", "1", "--max-pending", "3", "--resume-timeout", "20")
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        first = Front(stand_in.socket, *flags, held=held)
+        try:
+            first.tell(1, True)
+            first.proc.send_signal(signal.SIGSTOP)
+            conn = http.client.HTTPConnection("127.0.0.1", first.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "hello",
+                                                                     "max_tokens": 12}),
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        finally:
+            first.close()
+        second = Front(stand_in.socket, *flags, held=held)
+        try:
+            second.tell(1, True)
+            response = conn.getresponse()
+            assert response.status == 200
+            assert json.loads(response.read())["choices"][0]["text"] == fault_free_text("hello", 12)
+        finally:
+            second.close()
 
 
 def test_a_stream_cut_by_a_dying_tree_goes_on_with_the_same_tokens(front, stand_in):

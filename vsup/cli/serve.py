@@ -85,8 +85,7 @@ def serve(
     check_replicas(vllm, replicas, parallel)
     run_dir = RunDir(name)
     run_dir.check()  # before the default model's conversion, the first process this starts
-    if not parallel.headless:
-        check_port_free(host, port)
+    port_socket = None if parallel.headless else bind_port(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
                              gpu_memory_utilization, engine.value, extra)
@@ -95,7 +94,8 @@ def serve(
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes)
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
-                  startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout)
+                  startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
+                  port_socket=port_socket)
     if vllm:
         from vsup.supervisor.vllm_tree import VllmOptions
         from vsup.vllm.args import check_supported
@@ -182,19 +182,23 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
     return code, supervisor.message
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse before anything starts when another program holds the port."""
+def bind_port(host: str, port: int):
+    """The public port's socket, bound before anything starts (refused when another program holds it) and
+    held by the supervisor; whatever serves the port listens on it (Options.port_socket)."""
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
-                             f"choose another --port or stop what holds it") from None
-        except (TypeError, ValueError) as e:  # a name that cannot be encoded (UnicodeError is a ValueError)
-            raise UsageError(f"--host {host!r} is not an address ({e}); give an IP address or a host name") from None
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
+                         f"choose another --port or stop what holds it") from None
+    except (TypeError, ValueError) as e:  # a name that cannot be encoded (UnicodeError is a ValueError)
+        sock.close()
+        raise UsageError(f"--host {host!r} is not an address ({e}); give an IP address or a host name") from None
+    return sock
 
 
 def default_model() -> str:

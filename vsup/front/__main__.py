@@ -10,6 +10,7 @@ import argparse
 import ctypes
 import os
 import signal
+import socket
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--max-pending", type=int, required=True)
     parser.add_argument("--max-resumes", type=int, required=True)
     parser.add_argument("--drain-timeout", type=float, required=True)
+    parser.add_argument("--listen-fd", type=int, help="serve on this inherited socket, bound to --host and --port "
+                        "by the supervisor, which holds it (default: bind them here)")
     parser.add_argument("--cpus", help="the cores to run on (off vLLM's workers' cores)")
     parser.add_argument("--keepalive", type=float, default=10.0,
                         help="seconds of silence after which a stream is sent an SSE comment (default 10)")
@@ -49,7 +52,7 @@ def main() -> None:
                             timeout_keep_alive=30, backlog=2048)
     server = uvicorn.Server(config)
     log("listening", host=args.host, port=args.port, upstreams=args.upstream)
-    server.run()
+    server.run(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
 
 
 if __name__ == "__main__":

@@ -44,15 +44,16 @@ class Child:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.returncode is None
 
-    def spawn(self, env: dict[str, str], stdin: int = subprocess.DEVNULL) -> tuple[int, int]:
-        """Start the process (`stdin`: a pipe's read end, or none); returns the read ends of its stdout and
-        stderr pipes."""
+    def spawn(self, env: dict[str, str], stdin: int = subprocess.DEVNULL, pass_fds: tuple[int, ...] = ()
+              ) -> tuple[int, int]:
+        """Start the process (`stdin`: a pipe's read end, or none; `pass_fds`: what else it inherits); returns
+        the read ends of its stdout and stderr pipes."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             self.popen = subprocess.Popen(
                 [*self.spec.argv, *self.extra_argv], stdin=stdin, stdout=out_w, stderr=err_w,
-                env={**env, **self.spec.env}, process_group=0, close_fds=True)
+                env={**env, **self.spec.env}, process_group=0, close_fds=True, pass_fds=pass_fds)
         finally:
             os.close(out_w)
             os.close(err_w)

@@ -7,6 +7,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ class Options:
     stop_timeout: float = 10.0
     env: dict | None = None
     placement: dict | None = None  # process name -> vsup.placement.Placement; None: nothing pinned
+    # the public port, bound by `vsup serve` and held until the stop: every process that serves it (the API
+    # servers, vsup's front) gets this socket (--listen-fd), so a connection that waits to be accepted
+    # outlives the death of any one of them, and one made while the only one restarts waits for it
+    port_socket: socket.socket | None = None
 
 
 def placement_env(where, env: dict) -> dict:
@@ -157,8 +162,11 @@ class Supervisor:
             if spec.role == WORKER:
                 child.extra_argv = ["--dist-init-method", addresses.dist_init_method(
                     str(self.run_dir.path), spec.dp, self.generation[spec.dp], self.plan.config.master)]
+            port = ()
+            if spec.role == API_SERVER:
+                child.extra_argv, port = self.port_args()
             where = (self.options.placement or {}).get(spec.name)
-            out, err = child.spawn({**env, **placement_env(where, env)} if where else env)
+            out, err = child.spawn({**env, **placement_env(where, env)} if where else env, pass_fds=port)
             if spec.role == ENGINE_CORE:
                 self.notifier.connect(spec.dp)
             tag = {"name": spec.name, "role": spec.role, "a": spec.a, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp,
@@ -168,6 +176,19 @@ class Supervisor:
             self.selector.register(child.pidfd, selectors.EVENT_READ, child)
             self.log("started", process=spec.name, pid=child.pid)
         self.save()
+
+    def port_args(self) -> tuple[list[str], tuple[int, ...]]:
+        """For a process that serves the public port: the argv naming the held socket, and its fd to pass
+        (neither when none is held, or once the stop began)."""
+        sock = self.options.port_socket
+        if sock is None or sock.fileno() < 0:
+            return [], ()
+        return ["--listen-fd", str(sock.fileno())], (sock.fileno(),)
+
+    def release_port(self) -> None:
+        """At the stop: once the processes that serve the port close it too, new connections are refused."""
+        if self.options.port_socket is not None:
+            self.options.port_socket.close()
 
     def on_ready(self, name: str) -> None:
         child = next((c for c in self.children if c.spec.name == name and c.alive), None)
@@ -281,6 +302,7 @@ class Supervisor:
     def shutdown(self) -> None:
         """Drain and stop in order: API servers, coordinator, engine cores, workers; SIGKILL stragglers."""
         notify.sd_notify("STOPPING=1")
+        self.release_port()
         self.save()
         # an API server drains for --drain-timeout itself, then gets --stop-timeout to exit, as the others
         order = [(API_SERVER, self.options.drain_timeout + self.options.stop_timeout),

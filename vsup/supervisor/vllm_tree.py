@@ -232,8 +232,10 @@ class VllmSupervisor(Supervisor):
 
     def start_front(self) -> None:
         r, w = os.pipe()
+        self.front.extra_argv, port = self.port_args()
         try:
-            out, err = self.front.spawn({**os.environ, **(self.options.env or {}), "PYTHONUNBUFFERED": "1"}, stdin=r)
+            out, err = self.front.spawn({**os.environ, **(self.options.env or {}), "PYTHONUNBUFFERED": "1"}, stdin=r,
+                                        pass_fds=port)
         finally:
             os.close(r)
         os.set_blocking(w, False)
@@ -562,6 +564,7 @@ class VllmSupervisor(Supervisor):
         """SIGTERM to the front (it stops taking requests and finishes those it has) and to each vllm serve
         (it drains through --shutdown-timeout), then SIGKILL what is left."""
         notify.sd_notify("STOPPING=1")
+        self.release_port()
         self.tell_front()
         self.save()
         self.front.signal(signal.SIGTERM)
