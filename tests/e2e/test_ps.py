@@ -64,11 +64,12 @@ def test_a_tokenizer_that_cannot_keep_up_is_named_as_the_bottleneck(serve):
 
 
 def test_a_full_kv_cache_with_requests_waiting_is_diagnosed(serve):
-    """A KV cache of 1 MiB (1,024 tokens of the tiny model) under 24 long streams: the cache fills, the
-    rest wait, and ps says to raise --kv-cache-memory."""
+    """A KV cache of 1 MiB (1,024 tokens of the tiny model) under 48 long streams: the cache fills, the
+    rest wait, and ps says to raise --kv-cache-memory. (Five streams fit at once: ten waves, several of
+    the 2 s load reports even on a fast machine, where 24 streams could end between two of them.)"""
     s = serve(kv_cache_memory="1MiB")
     s.wait_serving()
-    streams = Streams(s.client, [f"story {i}" for i in range(24)], n=200)
+    streams = Streams(s.client, [f"story {i}" for i in range(48)], n=200)
     try:
         state = wait_for(lambda: diagnosis(s, "KV cache full"), timeout=60, what="ps naming the full KV cache",
                          now=lambda: s.vsup("ps").stdout)
