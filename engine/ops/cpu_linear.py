@@ -4,7 +4,11 @@ F.linear hands an unpacked weight to MKL on every call. oneDNN with the
 weight reordered once into its blocked layout is 1.2-1.7x faster for the
 decoder's linears and 2-3x for the LM head at decode batch sizes (SmolLM2,
 2 cores, batch 1/16/64: `python -m engine.ops.cpu_linear`). Float32 on the
-CPU only; anything else keeps F.linear. VSUP_PACKED_LINEAR=0 turns it off.
+CPU, and bfloat16 where the CPU computes it (avx512_bf16, AMX): there
+oneDNN's packed bf16 kernels are 1.3-2.7x float32's at 1 row and 2.3-7x at
+16-512 (an AMX Xeon, bench/gemm_shapes.py), and 1.0-1.3x bf16 F.linear's
+at decode sizes; without such a CPU bfloat16 keeps F.linear, as does
+anything else. VSUP_PACKED_LINEAR=0 turns it off.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows; any numbe
 
 
 def enabled(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    packs = weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+    return (packs and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and os.environ.get("VSUP_PACKED_LINEAR", "1") != "0")
 
 

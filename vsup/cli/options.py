@@ -109,7 +109,8 @@ CpuReserve = Annotated[Optional[int], _option(
 
 DTypeOpt = Annotated[DType, _option(
     "--dtype", panel=MEMORY, case_sensitive=False,
-    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU.")]
+    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU. bfloat16 on "
+         "the CPU pays where it has avx512_bf16 or AMX (oneDNN's packed bf16 linears).")]
 MaxModelLen = Annotated[Optional[int], _option(
     "--max-model-len", panel=MEMORY, show_default=False,
     help="Longest prompt plus output, in tokens.  [default: the model's max_position_embeddings]")]
