@@ -4,7 +4,7 @@
 in-process mode (`--no-multiprocessing`), where it runs the engine core and
 its one worker itself. The parts:
 
-- server.py: argv, the listening socket (SO_REUSEPORT), uvicorn
+- server.py: argv, the listening socket (the supervisor's, or its own with SO_REUSEPORT), uvicorn
 - app.py: the FastAPI app and the small routes; middleware.py: API key, body limit
 - serving.py, serving_completions.py, serving_chat.py: the two generation routes
 - openai_models.py, sampling.py, errors.py: requests in, OpenAI errors out
