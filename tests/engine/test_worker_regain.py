@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.e2e.served import Streams, complete_all
+from tests.e2e.served import Streams, complete_all, mid_stream
 from tests.local_deployment import LocalDeployment, with_test_tokenizer
 from tests.polling import wait_for
 
@@ -36,9 +36,10 @@ def test_a_core_waiting_for_its_workers_keeps_its_requests(tiny_model):
             return httpx.get(f"{d.url}/health", timeout=5).json()
 
         streams = Streams(client, PROMPTS, n=LONG)
-        # the kill as soon as dp0 streams: a stream of the tiny model takes a second or two
-        wait_for(lambda: any(streams.chunks) and health()["dp_ranks"]["0"]["num_in_flight"], 30,
-                 "dp0 never held a stream", interval=0.02)
+        # the kill as soon as the streams run (a stream of the tiny model takes a second or two, less on a
+        # fast machine, where the API server, busy streaming, answered /health only once they had ended);
+        # the two ranks share them, and dp0's held ones are checked below
+        mid_stream(streams, "the kill of worker-dp0")
         d.kill("worker-dp0")
         wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the core never noticed its worker died")
         held = health()["dp_ranks"]["0"]["num_in_flight"]  # frozen from here: dp0 has no worker
