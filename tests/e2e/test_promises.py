@@ -233,12 +233,15 @@ def test_waiting_connections_outlive_an_api_servers_death_and_a_restarted_one_ta
         for pid in (a0, core):
             os.kill(pid, signal.SIGCONT)
     assert [answer(conn) for conn in conns] == reference
+    for conn in conns:
+        conn.close()
     wait_for(lambda: {p["name"]: p["state"] for p in s.ps()["processes"]}["api-server a1"] == "ready", 60,
              "a1 ready once its core is back")
     os.kill(a0, signal.SIGSTOP)
     try:
         conn = send_completion(s.port, prompts[0])
         assert answer(conn) == reference[0] and taken(a1, s.port, [conn])
+        conn.close()
     finally:
         os.kill(a0, signal.SIGCONT)
     assert s.stop()[0] == 0
@@ -257,6 +260,8 @@ def test_connections_made_while_the_only_api_server_restarts_wait_for_the_new_on
     assert not taken(old, s.port, conns)
     os.kill(old, signal.SIGKILL)
     assert [answer(conn) for conn in conns] == reference
+    for conn in conns:
+        conn.close()
     state = s.wait_serving()
     assert {p["name"]: p["restarts"] for p in state["processes"] if p["restarts"]} == {"api-server a0": 1}
     assert s.stop()[0] == 0

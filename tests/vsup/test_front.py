@@ -273,6 +273,7 @@ def test_a_request_waiting_for_a_front_that_dies_is_answered_by_the_next_one_on_
             assert response.status == 200
             assert json.loads(response.read())["choices"][0]["text"] == fault_free_text("hello", 12)
         finally:
+            conn.close()
             second.close()
 
 
