@@ -73,27 +73,37 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path,
 
 
 def load_model(model_dir: str | Path, groups: ParallelGroups | None = None, dtype: str | None = None,
-               config: ModelConfig | None = None, progress: Progress | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None, progress: Progress | None = None,
+               linear_dtype: str | None = None) -> LlamaForCausalLM:
     """Build this rank's shard of the model in `model_dir` and load it.
     `dtype` (float32, float16, bfloat16, or None/"auto" for the checkpoint's)
-    may differ from the files': tensors are converted as they are copied."""
+    may differ from the files': tensors are converted as they are copied.
+    `linear_dtype` (bfloat16 under a float32 model on a CPU that computes it):
+    the dtype the linear layers and the LM head compute in."""
     config = config or ModelConfig.from_pretrained(model_dir, dtype=dtype)
     model = LlamaForCausalLM(config, groups)
     load_weights(model, model_dir, progress)
-    pack_linears(model)
+    pack_linears(model, linear_dtype)
     return model.eval()
 
 
-def pack_linears(model: nn.Module) -> None:
-    """On the CPU in float32, every linear layer and the LM head run from a oneDNN-packed copy of
-    the weight (engine/ops/cpu_linear.py); the dense copy is freed unless something else uses it
-    (a tied head's weight is the embedding's)."""
+def pack_linears(model: nn.Module, linear_dtype: str | None = None) -> None:
+    """On the CPU in float32 (and bfloat16 where the CPU computes it), every linear layer and the LM
+    head run from a oneDNN-packed copy of the weight (engine/ops/cpu_linear.py), in `linear_dtype`
+    if given; the dense copy is freed unless something else uses it (a tied head's weight is the
+    embedding's)."""
+    dtype = getattr(torch, linear_dtype) if linear_dtype else None
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+    if dtype is not None and model.dtype != torch.float32:
+        raise ValueError(f"--linear-dtype {linear_dtype} is for a float32 model (--dtype float32), not {model.dtype}")
+    if dtype is not None and not all(cpu_linear.enabled(m.weight, dtype) for m in linears):
+        raise ValueError(f"--linear-dtype {linear_dtype} needs the CPU device and a CPU that computes it "
+                         f"(avx512_bf16 or AMX for bfloat16); leave it out here")
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
               and not isinstance(m, ParallelLMHead)}
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and (
-                cpu_linear.enabled(module.weight)):
-            module.packed = cpu_linear.pack(module.weight)
+    for module in linears:
+        if cpu_linear.enabled(module.weight, dtype):
+            module.packed = cpu_linear.pack(module.weight, dtype)
             if id(module.weight) not in shared:
                 module.weight.data = module.weight.data.new_empty(0)
 

@@ -9,6 +9,11 @@ oneDNN's packed bf16 kernels are 1.3-2.7x float32's at 1 row and 2.3-7x at
 16-512 (an AMX Xeon, bench/gemm_shapes.py), and 1.0-1.3x bf16 F.linear's
 at decode sizes; without such a CPU bfloat16 keeps F.linear, as does
 anything else. VSUP_PACKED_LINEAR=0 turns it off.
+
+A float32 model may pack its weights in bfloat16 (`--linear-dtype
+bfloat16`): each linear then takes its rows cast to bfloat16 and gives
+float32 back, while norms, attention and the KV cache stay float32 (what
+torch.autocast does on the CPU).
 """
 
 from __future__ import annotations
@@ -21,23 +26,34 @@ import torch.nn.functional as F
 BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows; any number of rows works
 
 
-def enabled(weight: torch.Tensor) -> bool:
-    packs = weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+def computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (avx512_bf16 or AMX), where oneDNN's bf16 kernels pay."""
+    return torch.cpu._is_avx512_bf16_supported()
+
+
+def enabled(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether `weight` is packed, in `dtype` (default: its own)."""
+    dtype = dtype or weight.dtype
+    packs = dtype == torch.float32 or dtype == torch.bfloat16 and computes_bfloat16()
     return (packs and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and os.environ.get("VSUP_PACKED_LINEAR", "1") != "0")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in oneDNN's layout, for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight [out, in] in oneDNN's layout, in `dtype` (default: its own), for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype or weight.dtype), BATCH_HINT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
+    """x W^T + b, through the packed weight when there is one; rows of another dtype than the packed
+    weight's are cast to it and back, the bias added in theirs."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "").to(x.dtype)
+    return y if bias is None else y.add_(bias)
 
 
 if __name__ == "__main__":  # the figures in the docstring

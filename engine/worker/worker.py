@@ -35,6 +35,7 @@ class WorkerConfig:
     dp_rank: int = 0
     device: str = "cpu"
     dtype: str = "auto"
+    linear_dtype: str | None = None  # bfloat16: a float32 model's linears compute in it (engine/ops/cpu_linear.py)
     kv_cache_bytes: int = 2**30
     block_size: int = 16
     dist_init_method: str | None = None  # tcp://host:port or file:///path, unique per deployment
@@ -87,13 +88,16 @@ class Worker:
         cfg = self.config
         model_config = ModelConfig.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype, cfg.device))
         with contextlib.closing(ProgressReporter("loading weights", log)) as progress:
-            model = load_model(cfg.model, self.groups, config=model_config, progress=progress)
+            model = load_model(cfg.model, self.groups, config=model_config, progress=progress,
+                               linear_dtype=cfg.linear_dtype)
         self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model))
         if cfg.device == "cpu":
             cpu_extension.load()  # built on first use on this machine: here, not inside a step
         self.load_seconds = time.monotonic() - start
-        log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}",
-                 weight_bytes=self.weight_bytes, seconds=round(self.load_seconds, 2))
+        dtype = str(model.dtype).removeprefix("torch.")
+        log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}", dtype=dtype,
+                 linear_dtype=cfg.linear_dtype or dtype, weight_bytes=self.weight_bytes,
+                 seconds=round(self.load_seconds, 2))
 
     @property
     def weight_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """Linears from oneDNN-packed weights (engine/ops/cpu_linear.py) against F.linear, in float32 and, where
-the CPU computes bfloat16 (avx512_bf16, AMX), in bfloat16."""
+the CPU computes bfloat16 (avx512_bf16, AMX), in bfloat16 and with bfloat16 weights under float32 rows
+(--linear-dtype bfloat16)."""
 
 import pytest
 import torch
@@ -35,3 +36,41 @@ def test_a_bfloat16_model_runs_packed_linears_only_where_the_cpu_computes_bfloat
     qkv = next(iter(model.model.layers.values())).self_attn.qkv_proj
     assert (qkv.packed is not None) == BF16_CPU
     assert qkv.packed is None or qkv.packed.dtype == torch.bfloat16
+
+
+needs_bf16 = pytest.mark.skipif(not BF16_CPU, reason="this CPU has no avx512_bf16: no bfloat16 linears")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_bfloat16_weights_under_float32_rows_give_float32_back(rows):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(rows, 96)
+    assert cpu_linear.enabled(weight, torch.bfloat16)
+    packed = cpu_linear.pack(weight, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16
+    for b in (None, bias):
+        got = cpu_linear.linear(x, weight, packed, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, 200)
+        want = F.linear(x.bfloat16(), weight.bfloat16()).float()  # rows and weights rounded, summed in float32
+        want = want if b is None else want + b
+        torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-2)
+
+
+@needs_bf16
+def test_a_float32_model_with_bfloat16_linears(tiny_model):
+    model = load_model(tiny_model("llama3"), dtype="float32", linear_dtype="bfloat16")  # q/k/v and o_proj biases
+    layer = next(iter(model.model.layers.values()))
+    assert model.dtype == torch.float32 and layer.input_layernorm.weight.dtype == torch.float32
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   model.lm_head):
+        assert linear.packed.dtype == torch.bfloat16
+    assert layer.self_attn.qkv_proj.bias.dtype == torch.float32  # added after the linear, in float32
+
+
+def test_bfloat16_linears_are_refused_where_they_cannot_run(tiny_model, monkeypatch):
+    with pytest.raises(ValueError, match="for a float32 model"):
+        load_model(tiny_model("llama"), dtype="float16", linear_dtype="bfloat16")
+    monkeypatch.setattr(cpu_linear, "computes_bfloat16", lambda: False)
+    with pytest.raises(ValueError, match="avx512_bf16 or AMX"):
+        load_model(tiny_model("llama"), dtype="float32", linear_dtype="bfloat16")

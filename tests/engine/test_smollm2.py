@@ -46,3 +46,26 @@ def test_greedy_32_tokens_equal_transformers(model_dir, hf_greedy):
     worker.initialize_cache(worker.ready_report().num_blocks)
     outputs = drive(worker.execute, PROMPTS, 32, chunk=48, block_size=16)
     assert outputs == hf_greedy(model_dir, {k: (p, 32) for k, p in PROMPTS.items()})
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no avx512_bf16")
+def test_bfloat16_linears_stay_near_transformers(model_dir, hf_logits, hf_greedy):
+    """--linear-dtype bfloat16 rounds the linears' inputs and weights: its logits are near float32's, not
+    equal, and the next token is mostly the same; prefill and the decode stack both run it."""
+    prompt = PROMPTS["chat"]
+    worker = Worker(WorkerConfig(model=str(model_dir), linear_dtype="bfloat16", kv_cache_bytes=64 << 20,
+                                 block_size=16))
+    worker.init_device()
+    worker.load_model()
+    model = worker.runner.model
+    caches = allocate_kv_caches(model.config, model.groups, num_blocks=8, block_size=16)
+    metadata = AttentionMetadata.build([0], [len(prompt)], [list(range(8))], 16)
+    logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), caches, metadata))
+    expected = hf_logits(model_dir, prompt)
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    same_next = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert error < 0.05 and same_next > 0.9, (error, same_next)
+    worker.initialize_cache(worker.ready_report().num_blocks)
+    outputs = drive(worker.execute, PROMPTS, 8, chunk=48, block_size=16)
+    expected = hf_greedy(model_dir, {k: (p, 8) for k, p in PROMPTS.items()})
+    assert outputs == expected  # 8 tokens here; the rows part later (bench/bf16_step.py counts how many)

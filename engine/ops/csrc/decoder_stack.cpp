@@ -1,9 +1,10 @@
 // A decode step through a stage's decoder layers in one C++ loop, on the CPU in float32: per layer
-// the norms, the oneDNN-packed linears (the same mkldnn op engine/ops/cpu_linear.py calls), rotary,
-// the KV write and paged decode attention of this folder. It is what LlamaModel's Python loop does,
-// without the Python: at batch 1 a step is about 600 small calls, and the interpreter's share of
-// them (with its caches cold after each linear has streamed its weights through) is 10-20% of the
-// step. Tensor parallelism (collectives between the linears) and prefill stay in Python.
+// the norms, the oneDNN-packed linears (the same mkldnn op engine/ops/cpu_linear.py calls; in
+// bfloat16 under --linear-dtype bfloat16), rotary, the KV write and paged decode attention of this
+// folder. It is what LlamaModel's Python loop does, without the Python: at batch 1 a step is about
+// 600 small calls, and the interpreter's share of them (with its caches cold after each linear has
+// streamed its weights through) is 10-20% of the step. Tensor parallelism (collectives between the
+// linears) and prefill stay in Python.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,13 +22,20 @@
 
 namespace {
 
+// x W^T + b through the packed weight. A bfloat16 weight under float32 rows (--linear-dtype
+// bfloat16) takes the rows cast to bfloat16 and gives float32 back, the bias added in float32: what
+// engine/ops/cpu_linear.py's `linear` does.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          std::string_view, c10::List<std::optional<at::Scalar>>,
                                          std::optional<std::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  const c10::List<std::optional<at::Scalar>> no_scalars;
+  if (packed.scalar_type() == x.scalar_type()) return op.call(x, packed, bias, "none", no_scalars, std::nullopt);
+  at::Tensor y = op.call(x.to(packed.scalar_type()), packed, std::nullopt, "none", no_scalars, std::nullopt)
+                     .to(x.scalar_type());
+  return bias.has_value() ? y.add_(*bias) : y;
 }
 
 std::optional<at::Tensor> nth(const std::vector<at::Tensor>& biases, size_t i) {
