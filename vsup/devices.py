@@ -124,6 +124,17 @@ def _pci_numa_node(bus_id: str) -> int:
         return 0
 
 
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has avx512_bf16 (AMX CPUs have it too): what the engine's bfloat16 linears need
+    (torch.cpu._is_avx512_bf16_supported, without importing torch)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags.split()
+
+
 def this_machine(device: str):
     """The CPUs this process may use, this node's NUMA nodes, and (on CUDA) where its visible GPUs sit:
     a vsup.placement.Machine."""

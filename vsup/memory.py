@@ -39,25 +39,46 @@ def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
     return dtype
 
 
-def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_bytes: int) -> int:
+def resolve_linear_dtype(linear_dtype: str, dtype: str, device: str, cpu_bfloat16: bool) -> str | None:
+    """`--linear-dtype` where it applies, or None when the linears compute in `dtype` (auto). `dtype`:
+    resolved; `cpu_bfloat16`: whether this CPU computes bfloat16 (avx512_bf16 or AMX)."""
+    if linear_dtype in ("auto", dtype):
+        return None
+    if device != "cpu":
+        raise UsageError(f"--linear-dtype {linear_dtype} is for the CPU; on CUDA give --dtype {linear_dtype}")
+    if dtype != "float32":
+        raise UsageError(f"--linear-dtype {linear_dtype} runs a float32 model's linears in {linear_dtype}: give "
+                         f"--dtype float32 with it, or leave it out")
+    if not cpu_bfloat16:
+        raise UsageError(f"--linear-dtype {linear_dtype} needs a CPU with avx512_bf16 or AMX (without them bfloat16 "
+                         f"is slower than float32 here): leave it out")
+    return linear_dtype
+
+
+def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_bytes: int,
+                        linear_bytes: int | None = None) -> int:
     """Bytes of weights one worker of `stage` holds: its layers' TP slices, plus the
-    vocab-parallel embedding on the first stage and the head on the last."""
+    vocab-parallel embedding on the first stage and the head on the last. `linear_bytes`:
+    what a weight of the linears and the head takes when it differs (--linear-dtype)."""
+    linear_bytes = linear_bytes or dtype_bytes
     h, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    per_layer = (h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size) // tp + 2 * h
+    linears = (h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size) // tp
+    others = 2 * h  # the norms
     if shape.attention_bias:
-        per_layer += (q + 2 * kv) // tp
+        others += (q + 2 * kv) // tp
     if shape.o_proj_bias:
-        per_layer += h  # a row-parallel bias is whole on every rank
-    params = len(layer_ranges(shape.num_layers, pp)[stage]) * per_layer
+        others += h  # a row-parallel bias is whole on every rank
+    layers = len(layer_ranges(shape.num_layers, pp)[stage])
+    total = layers * (linears * linear_bytes + others * dtype_bytes)
     embedding = shape.vocab_size * h // tp
     if stage == 0:
-        params += embedding
+        total += embedding * dtype_bytes
     if stage == pp - 1:
-        params += h  # final norm
+        total += h * dtype_bytes  # final norm
         if not (shape.tie_word_embeddings and pp == 1):
-            params += embedding  # the head (a copy of the embedding when tied across stages)
-    return params * dtype_bytes
+            total += embedding * linear_bytes  # the head (a copy of the embedding when tied across stages)
+    return total
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, num_layers: int, dtype_bytes: int) -> int:
@@ -84,6 +105,7 @@ class MemoryPlan:
 
     dtype: str
     stages: tuple[StageMemory, ...]
+    linear_dtype: str | None = None  # the linears' and the head's, where it is not `dtype`
 
     @property
     def tokens_per_dp_rank(self) -> int:
@@ -97,22 +119,26 @@ class MemoryPlan:
 
 def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
                 device_bytes: int | None, kv_cache_memory: int | None,
-                gpu_memory_utilization: float, max_model_len: int | None) -> MemoryPlan:
+                gpu_memory_utilization: float, max_model_len: int | None,
+                linear_dtype: str = "auto", cpu_bfloat16: bool = False) -> MemoryPlan:
     """Work out what each worker holds, or raise a "won't fit" UsageError saying by how much.
 
     `device_bytes` is one worker's share of its device: a GPU's memory, or the
     node's RAM divided among its workers; None when it cannot be known.
+    `cpu_bfloat16`: whether this CPU computes bfloat16 (for `linear_dtype`).
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
     dtype = resolve_dtype(dtype, shape, device)
+    linear_dtype = resolve_linear_dtype(linear_dtype, dtype, device, cpu_bfloat16)
     from vsup.model_shape import DTYPE_BYTES
 
     nbytes = DTYPE_BYTES[dtype]
+    linear_bytes = DTYPE_BYTES[linear_dtype or dtype]
     usable = None if device_bytes is None else int(device_bytes * (gpu_memory_utilization if device == "cuda" else 1))
     stages = []
     for stage, layers in enumerate(layer_ranges(shape.num_layers, pp)):
-        weights = worker_weight_bytes(shape, tp, pp, stage, nbytes)
+        weights = worker_weight_bytes(shape, tp, pp, stage, nbytes, linear_bytes)
         if usable is not None and weights > usable:
             raise UsageError(
                 f"won't fit: a worker of stage pp{stage} needs {format_bytes(weights)} of weights but has "
@@ -130,7 +156,7 @@ def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
                 f"{format_bytes(weights + kv_cache - usable)}. Lower --kv-cache-memory or raise -tp/-pp")
         stages.append(StageMemory(stage, layers, weights, kv_bytes_per_token(shape, tp, len(layers), nbytes),
                                   kv_cache))
-    result = MemoryPlan(dtype, tuple(stages))
+    result = MemoryPlan(dtype, tuple(stages), linear_dtype)
     needed = max_model_len or shape.max_position_embeddings
     if result.tokens_per_dp_rank < needed:
         short = needed - result.tokens_per_dp_rank

@@ -22,6 +22,7 @@ class ServeFlags:
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_grammar_bytes: int | None = None  # our engine's limit on a structured request's grammar (default 64 KiB)
+    linear_dtype: str | None = None  # our engine's: the dtype a float32 model's linears compute in
     uds: str | None = None  # a Unix socket to serve on instead of host and port (vLLM behind vsup's front)
 
 
@@ -33,5 +34,6 @@ def engine_args(flags: ServeFlags, *, multiprocessing: bool = True, dp_lockstep:
             "--drain-timeout", str(flags.drain_timeout),
             *(("--max-model-len", str(flags.max_model_len)) if flags.max_model_len else ()),
             *(("--max-grammar-bytes", str(flags.max_grammar_bytes)) if flags.max_grammar_bytes else ()),
+            *(("--linear-dtype", flags.linear_dtype) if flags.linear_dtype else ()),
             *(() if multiprocessing else ("--no-multiprocessing",)),
             *(("--dp-lockstep",) if dp_lockstep else ()))

@@ -33,6 +33,25 @@ def test_ps_shows_exactly_the_plan(serve, model, flags):
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
 
 
+def test_bfloat16_linears_reach_the_worker(serve):
+    """--linear-dtype bfloat16 (a CPU with avx512_bf16 or AMX): the worker loads a float32 model whose linears
+    are packed in bfloat16, and it serves."""
+    from vsup.devices import cpu_computes_bfloat16
+
+    if not cpu_computes_bfloat16():
+        pytest.skip("this CPU has no avx512_bf16 (vsup plan's test checks the refusal)")
+    s = serve("--linear-dtype", "bfloat16")
+    s.wait_serving()
+    assert len(complete(s.client, "hello", n=8, stream=False)) > 0
+    loaded = [json.loads(line) for line in s.vsup("logs", "--role", "worker", "--json").stdout.splitlines()
+              if '"model loaded"' in line]
+    assert [(r["dtype"], r["linear_dtype"]) for r in loaded] == [("float32", "bfloat16")]
+    pids = list(s.pids().values())
+    code, _, err = s.stop()
+    assert code == 0, err
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
 def tree_of(text: str) -> list[str]:
     """The tree's rows (glyphs and name) of `vsup plan`'s or `vsup ps`'s output, from its root on."""
     lines = text.splitlines()

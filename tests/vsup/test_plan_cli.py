@@ -114,6 +114,35 @@ def test_model_memory_figures(smollm2_dir):
     assert memory["tokens_per_dp_rank"] == 2**30 // (2 * 30 * 3 * 64 * 4)
 
 
+def test_bfloat16_linears_halve_the_linears_weights_where_the_cpu_computes_them(smollm2_dir):
+    from vsup.devices import cpu_computes_bfloat16
+
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--linear-dtype", "bfloat16")
+    if not cpu_computes_bfloat16():
+        assert result.returncode == 2 and "needs a CPU with avx512_bf16 or AMX" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    assert (memory["dtype"], memory["linear_dtype"]) == ("float32", "bfloat16")
+    linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)  # q/k/v, o, gate/up, down (the head is tied)
+    assert memory["workers"][0]["weight_bytes"] == linears * 2 + (134_515_008 - linears) * 4
+    assert memory["workers"][0]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # the KV cache stays float32
+    for flags, needle in ((["--dtype", "float16"], "give --dtype float32 with it"),
+                          (["--engine", "vllm"], "--linear-dtype not supported with --engine vllm")):
+        result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--linear-dtype", "bfloat16", *flags)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_bfloat16_linears_are_for_the_cpu():
+    from vsup.errors import UsageError
+    from vsup.memory import resolve_linear_dtype
+
+    assert resolve_linear_dtype("auto", "float32", "cpu", cpu_bfloat16=True) is None
+    assert resolve_linear_dtype("bfloat16", "bfloat16", "cuda", cpu_bfloat16=False) is None  # what --dtype gives
+    with pytest.raises(UsageError, match="is for the CPU; on CUDA give --dtype bfloat16"):
+        resolve_linear_dtype("bfloat16", "float32", "cuda", cpu_bfloat16=True)
+
+
 def test_model_tp_must_divide_heads(smollm2_dir):
     result = vsup("plan", str(smollm2_dir), "--device", "cpu", "-tp", "2")
     assert result.returncode == 2

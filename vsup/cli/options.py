@@ -28,6 +28,11 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class LinearDType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+
+
 def _option(*decls: str, help: str, panel: str | None = None, envvar: str | None = None, **kwargs):
     long = next(d for d in decls if d.startswith("--")).split("/")[0]
     envvar = envvar or "VSUP_" + long.lstrip("-").replace("-", "_").upper()
@@ -111,6 +116,12 @@ DTypeOpt = Annotated[DType, _option(
     "--dtype", panel=MEMORY, case_sensitive=False,
     help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU. bfloat16 on "
          "the CPU pays where it has avx512_bf16 or AMX (oneDNN's packed bf16 linears).")]
+LinearDTypeOpt = Annotated[LinearDType, _option(
+    "--linear-dtype", panel=MEMORY, case_sensitive=False,
+    help="The dtype the linear layers and the LM head compute in: auto is --dtype. bfloat16 runs a float32 "
+         "model's linears from bfloat16 weights, their inputs cast to it and their outputs back, while norms, "
+         "attention and the KV cache stay float32 (like torch.autocast): on a CPU with avx512_bf16 or AMX, decode "
+         "steps in half float32's time; greedy outputs part from float32's after some tokens.")]
 MaxModelLen = Annotated[Optional[int], _option(
     "--max-model-len", panel=MEMORY, show_default=False,
     help="Longest prompt plus output, in tokens.  [default: the model's max_position_embeddings]")]

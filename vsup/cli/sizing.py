@@ -9,11 +9,11 @@ from vsup.topology import ParallelConfig
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
                  kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup",
-                 vllm_args: tuple[str, ...] = ()):
+                 vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto"):
     """(shape, memory plan) for MODEL under `config`, or a UsageError that says what is missing from MODEL or
     does not fit. A stock vLLM runs more architectures than our engine: for it, any model whose shape reads
     like a Llama's. `vllm_args`: what follows `--` for it."""
-    from vsup.devices import gpu_memory_bytes
+    from vsup.devices import cpu_computes_bfloat16, gpu_memory_bytes
     from vsup.memory import memory_plan
     from vsup.sizes import parse_size
     from vsup.model_dir import check_model_dir
@@ -37,7 +37,8 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
         device_bytes = psutil.virtual_memory().total // max(1, config.devices_per_node)
     memory = memory_plan(shape, tp=config.tensor_parallel_size, pp=config.pipeline_parallel_size, dtype=dtype,
                          device=config.device, device_bytes=device_bytes, kv_cache_memory=kv_bytes,
-                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                         linear_dtype=linear_dtype, cpu_bfloat16=linear_dtype != "auto" and cpu_computes_bfloat16())
     return shape, memory
 
 
