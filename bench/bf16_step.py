@@ -7,7 +7,9 @@ order rotating) on the same requests:
 - `bf16`: bfloat16 with linears through F.linear (what the engine runs where the CPU lacks
   avx512_bf16);
 - `bf16 packed`: bfloat16 with every linear and the LM head packed for oneDNN's bf16 brgemm
-  (what the engine runs where the CPU has avx512_bf16 or AMX; this bench packs them anywhere).
+  (what the engine runs where the CPU has avx512_bf16 or AMX; this bench packs them anywhere);
+- `bf16 linears`: float32 (norms, attention, KV cache) with the linears and the LM head packed in
+  bfloat16, their rows cast around each (`--linear-dtype bfloat16`).
 
 Prefill: N prompts of L random tokens, one output token each, tokens/s. Decode: B requests of 64
 prompt tokens, the step time of `EngineCore.step()` once all have their first token, and the
@@ -40,7 +42,8 @@ from engine.wire.sampling_params import SamplingParams
 from engine.worker.worker import WorkerConfig
 
 BLOCK_SIZE = 16
-SIDES = {"f32 packed": ("float32", False), "bf16": ("bfloat16", False), "bf16 packed": ("bfloat16", True)}
+SIDES = {"f32 packed": ("float32", False, None), "bf16": ("bfloat16", False, None),
+         "bf16 packed": ("bfloat16", True, None), "bf16 linears": ("float32", True, "bfloat16")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,15 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load(model_dir: str, dtype: str, packed: bool, num_threads: int) -> InprocExecutor:
+def load(model_dir: str, dtype: str, packed: bool, linear_dtype: str | None, num_threads: int) -> InprocExecutor:
     enabled = cpu_linear.enabled
     if packed:  # pack whatever the dtype and the CPU
-        cpu_linear.enabled = lambda weight: weight.device.type == "cpu"
+        cpu_linear.enabled = lambda weight, dtype=None: weight.device.type == "cpu"
     else:  # pack float32 only
-        cpu_linear.enabled = lambda weight: weight.dtype == torch.float32 and enabled(weight)
+        cpu_linear.enabled = lambda weight, dtype=None: weight.dtype == torch.float32 and enabled(weight)
     try:
-        return InprocExecutor(WorkerConfig(model=model_dir, dtype=dtype, block_size=BLOCK_SIZE,
-                                           kv_cache_bytes=2**28, num_threads=num_threads))
+        return InprocExecutor(WorkerConfig(model=model_dir, dtype=dtype, linear_dtype=linear_dtype,
+                                           block_size=BLOCK_SIZE, kv_cache_bytes=2**28, num_threads=num_threads))
     finally:
         cpu_linear.enabled = enabled
 
@@ -141,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bf16_step: {args.threads} torch threads, load average {conditions['load_average_at_start'][0]:.2f}")
     model_dir = str(default_model_dir())
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
-    sides = {name: Side(load(model_dir, dtype, packed, args.threads), vocab_size)
-             for name, (dtype, packed) in SIDES.items()}
+    sides = {name: Side(load(model_dir, dtype, packed, linear_dtype, args.threads), vocab_size)
+             for name, (dtype, packed, linear_dtype) in SIDES.items()}
     pre = results["prefill"] = compare_prefill(sides, *args.prefill, args.rounds, vocab_size)
     base = pre["tokens_per_s"]["f32 packed"]
     print_table(f"prefill of {args.prefill[0]} x {args.prefill[1]} tokens, tokens/s (median of {args.rounds})",
