@@ -69,6 +69,36 @@ def test_silu_and_mul_equals_silu_times_up(rows):
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+BF16_ROUNDING = dict(rtol=2**-7, atol=1e-3)  # a float32 difference may round a bfloat16 the other way: one step
+
+
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+def test_silu_and_mul_reads_and_writes_bfloat16_rows(x_dtype, out_dtype):
+    """The rows of bfloat16 linears (--linear-dtype bfloat16): widened as read, the math in float32, rounded
+    to nearest even as written, as torch's casts around the float32 kernel would."""
+    gate_up = (randn(64, 2 * 1536) * 8).to(x_dtype)
+    gate_up[0, :3] = torch.tensor([float("nan"), -100.0, 100.0])
+    out = torch.empty(64, 1536, dtype=out_dtype)
+    torch.ops.vsup_cpu.silu_and_mul(gate_up, out)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(out_dtype)
+    assert out[0, 0].isnan()  # a NaN stays one
+    torch.testing.assert_close(out[:, 1:].float(), expected[:, 1:].float(), **BF16_ROUNDING)
+    if out_dtype == torch.bfloat16:  # rounded as torch rounds, but for the odd float32 difference
+        assert (out[:, 1:] == expected[:, 1:]).float().mean() > 0.99
+
+
+def test_add_rms_norm_of_bfloat16_rows_keeps_a_float32_residual():
+    weight, x, residual = randn(576), randn(64, 576).bfloat16(), randn(64, 576) * 3
+    expected_residual = residual + x.float()
+    expected = (expected_residual * torch.rsqrt(expected_residual.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+    torch.ops.vsup_cpu.add_rms_norm_(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual)
+    assert x.dtype == torch.bfloat16
+    torch.testing.assert_close(x.float(), expected.bfloat16().float(), **BF16_ROUNDING)
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch, monkeypatch):
     # slots at a block's end and at the start of the next, from two sequences sharing a first block

@@ -22,20 +22,32 @@
 
 namespace {
 
-// x W^T + b through the packed weight. A bfloat16 weight under float32 rows (--linear-dtype
-// bfloat16) takes the rows cast to bfloat16 and gives float32 back, the bias added in float32: what
-// engine/ops/cpu_linear.py's `linear` does.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// x W^T + b through the packed weight, in `out` dtype. Under --linear-dtype bfloat16 the weight is
+// bfloat16 in a float32 model: rows of another dtype are cast to the weight's, the result to `out`,
+// and a float32 bias is added after that cast (in float32: the stack asks for float32 out where there
+// is a bias), as engine/ops/cpu_linear.py's `linear` does.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         at::ScalarType out) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          std::string_view, c10::List<std::optional<at::Scalar>>,
                                          std::optional<std::string_view>)>();
-  const c10::List<std::optional<at::Scalar>> no_scalars;
-  if (packed.scalar_type() == x.scalar_type()) return op.call(x, packed, bias, "none", no_scalars, std::nullopt);
-  at::Tensor y = op.call(x.to(packed.scalar_type()), packed, std::nullopt, "none", no_scalars, std::nullopt)
-                     .to(x.scalar_type());
-  return bias.has_value() ? y.add_(*bias) : y;
+  const at::ScalarType dtype = packed.scalar_type();
+  const bool bias_inside = bias.has_value() && bias->scalar_type() == dtype && out == dtype;
+  at::Tensor y = op.call(x.scalar_type() == dtype ? x : x.to(dtype), packed, bias_inside ? bias : std::nullopt,
+                         "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  if (out != dtype) y = y.to(out);
+  return bias.has_value() && !bias_inside ? y.add_(*bias) : y;
+}
+
+// hidden's rows normed into the next linear's input, of `dtype`: in place where hidden is of it
+at::Tensor add_rms_norm(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        at::ScalarType dtype) {
+  const at::Tensor out =
+      hidden.scalar_type() == dtype ? hidden : at::empty(hidden.sizes(), hidden.options().dtype(dtype));
+  vsup::add_rms_norm_into(hidden, residual, weight, eps, out);
+  return out;
 }
 
 std::optional<at::Tensor> nth(const std::vector<at::Tensor>& biases, size_t i) {
@@ -67,7 +79,10 @@ struct DecoderStack : torch::CustomClassHolder {
 
   // hidden [T, hidden], one token per sequence; residual: none before a stage's first layer (the
   // embedding's output becomes it); cos, sin [T, head_dim / 2]. Returns (hidden, residual) after the
-  // last layer, as the Python loop does; hidden and residual may be written in place.
+  // last layer, as the Python loop does; hidden and residual may be written in place. With bfloat16
+  // linears (--linear-dtype bfloat16) the norms write the linears' inputs in bfloat16 and SiLU reads
+  // and writes bfloat16, so that only q/k/v (for rotary, the KV cache and attention) and attention's
+  // output are cast; the residual stays float32.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual_in,
                                              at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
                                              std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
@@ -76,46 +91,48 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(key_caches.size() == n && value_caches.size() == n, "one key and one value cache per layer");
     TORCH_CHECK(hidden.dim() == 2, "hidden [T, hidden]");
     const int64_t tokens = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const at::ScalarType model = hidden.scalar_type(), linear = qkv[0].scalar_type();
     at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
     for (size_t l = 0; l < n; ++l) {
       if (!residual.defined()) {
         residual = hidden;
-        hidden = vsup::rms_norm(hidden, input_norm[l], eps);
+        hidden = vsup::rms_norm(hidden, input_norm[l], eps, linear);
       } else {
-        vsup::add_rms_norm_(hidden, residual, input_norm[l], eps);
+        hidden = add_rms_norm(hidden, residual, input_norm[l], eps, linear);
       }
-      const at::Tensor qkv_out = packed_linear(hidden, qkv[l], nth(qkv_bias, l));
+      const at::Tensor qkv_out = packed_linear(hidden, qkv[l], nth(qkv_bias, l), model);
       TORCH_CHECK(qkv_out.size(1) == q_size + 2 * kv_size, "qkv width");
       vsup::rotary_(qkv_out.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}), cos,
                     sin);
       vsup::write_kv(qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}),
                      qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim}),
                      key_caches[l], value_caches[l], slot_mapping);
-      at::Tensor attention = at::empty({tokens, num_heads, head_dim}, hidden.options());
+      at::Tensor attention = at::empty({tokens, num_heads, head_dim}, qkv_out.options());
       vsup::paged_attention_decode(qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), key_caches[l],
                                    value_caches[l], block_tables, seq_lens, scale, attention);
-      hidden = packed_linear(attention.view({tokens, q_size}), o[l], nth(o_bias, l));
-      vsup::add_rms_norm_(hidden, residual, post_norm[l], eps);
-      const at::Tensor gate_up_out = packed_linear(hidden, gate_up[l], std::nullopt);
-      at::Tensor activation = at::empty({tokens, gate_up_out.size(1) / 2}, hidden.options());
+      hidden = packed_linear(attention.view({tokens, q_size}), o[l], nth(o_bias, l), o_bias.empty() ? linear : model);
+      hidden = add_rms_norm(hidden, residual, post_norm[l], eps, linear);
+      const at::Tensor gate_up_out = packed_linear(hidden, gate_up[l], std::nullopt, linear);
+      at::Tensor activation = at::empty({tokens, gate_up_out.size(1) / 2}, gate_up_out.options());
       vsup::silu_and_mul(gate_up_out, activation);
-      hidden = packed_linear(activation, down[l], std::nullopt);
+      hidden = packed_linear(activation, down[l], std::nullopt, linear);
     }
-    return {hidden, residual};
+    return {hidden.scalar_type() == model ? hidden : hidden.to(model), residual};
   }
 
   // The same linears on `tokens` rows of zeros, back to back with nothing between: the floor of a
   // decode step that bench/engine_decode.py measures a step against.
   void linears_alone(int64_t tokens) {
-    const at::Tensor x = at::zeros({tokens, input_norm[0].numel()}, input_norm[0].options());
+    const at::ScalarType linear = qkv[0].scalar_type();
+    const at::Tensor x = at::zeros({tokens, input_norm[0].numel()}, input_norm[0].options().dtype(linear));
     const at::Tensor attention = at::zeros({tokens, num_heads * head_dim}, x.options());
     at::Tensor activation;
     for (size_t l = 0; l < input_norm.size(); ++l) {
-      packed_linear(x, qkv[l], nth(qkv_bias, l));
-      packed_linear(attention, o[l], nth(o_bias, l));
-      const at::Tensor gate_up_out = packed_linear(x, gate_up[l], std::nullopt);
+      packed_linear(x, qkv[l], nth(qkv_bias, l), linear);
+      packed_linear(attention, o[l], nth(o_bias, l), linear);
+      const at::Tensor gate_up_out = packed_linear(x, gate_up[l], std::nullopt, linear);
       if (!activation.defined()) activation = at::zeros({tokens, gate_up_out.size(1) / 2}, x.options());
-      packed_linear(activation, down[l], std::nullopt);
+      packed_linear(activation, down[l], std::nullopt, linear);
     }
   }
 };

@@ -1,7 +1,9 @@
 // The small per-layer steps of a decoder on the CPU, each one pass over its rows in place: the
 // residual add with the RMS norm after it, the rotary embedding of q and k, and SiLU(gate) * up.
 // torch runs each as several ops of a few microseconds apiece, dozens a layer: at decode batch
-// sizes that is time the GEMMs around them do not take. Float32; rows on torch's threads.
+// sizes that is time the GEMMs around them do not take. Float32, rows on torch's threads; the norms'
+// and SiLU's rows may also be bfloat16 (the inputs and outputs of bfloat16 linears under a float32
+// model, --linear-dtype bfloat16), converted as they are read and written, the math in float32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -10,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "layer_ops.h"
 #include "vec_math.h"
@@ -25,61 +29,96 @@ int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
 }
 
-void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, what, ": float32 only");
+void check_rows(const at::Tensor& x, const char* what, bool bf16_too = false) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || bf16_too && x.scalar_type() == at::kBFloat16, what,
+              bf16_too ? ": float32 or bfloat16 only" : ": float32 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, size] with contiguous rows");
 }
 
+// f(T{}) with T the element type of rows of `dtype`: float, or vsup::BF16 for bfloat16
+template <typename F>
+void with_element(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16) {
+    f(vsup::BF16{});
+  } else {
+    f(float{});
+  }
+}
+
+// f(x's first element, out's first element), each a float* or a vsup::BF16*
+template <typename F>
+void with_rows(const at::Tensor& x, const at::Tensor& out, F&& f) {
+  with_element(x.scalar_type(), [&](auto in_type) {
+    with_element(out.scalar_type(), [&](auto out_type) {
+      f(static_cast<const decltype(in_type)*>(x.data_ptr()), static_cast<decltype(out_type)*>(out.data_ptr()));
+    });
+  });
+}
+
 // out = h / rms(h) * weight, one row
-inline void scale_by_rms(const float* h, float* out, const float* w, int64_t size, double eps) {
+template <typename Out>
+inline void scale_by_rms(const float* h, Out* out, const float* w, int64_t size, double eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < size; ++j) sum += h[j] * h[j];
   const float inv = 1.f / std::sqrt(sum / size + static_cast<float>(eps));
-  for (int64_t j = 0; j < size; ++j) out[j] = h[j] * inv * w[j];
+  for (int64_t j = 0; j < size; ++j) out[j] = vsup::narrow<Out>(h[j] * inv * w[j]);
 }
 
 }  // namespace
 
 namespace vsup {
 
-// residual += x; x = residual / rms(residual) * weight, rows of [T, hidden]
-void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
+// residual += x; out = residual / rms(residual) * weight, rows of [T, hidden]; residual float32, x and
+// out float32 or bfloat16, out may be x
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       const at::Tensor& out) {
+  check_rows(x, "x", true);
   check_rows(residual, "residual");
+  check_rows(out, "out", true);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "weight: contiguous float32");
   const int64_t rows = x.size(0), size = x.size(1);
-  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == size && weight.numel() == size, "shapes disagree");
-  float* xp = x.data_ptr<float>();
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == size && weight.numel() == size &&
+                  out.size(0) == rows && out.size(1) == size,
+              "shapes disagree");
   float* rp = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* xi = xp + i * xs;
-      float* ri = rp + i * rs;
-      for (int64_t j = 0; j < size; ++j) ri[j] += xi[j];
-      scale_by_rms(ri, xi, w, size, eps);
-    }
+  const int64_t xs = x.stride(0), rs = residual.stride(0), os = out.stride(0);
+  with_rows(x, out, [&](const auto* xp, auto* op) {
+    at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto* xi = xp + i * xs;
+        float* ri = rp + i * rs;
+        for (int64_t j = 0; j < size; ++j) ri[j] += vsup::widen(xi[j]);
+        scale_by_rms(ri, op + i * os, w, size, eps);
+      }
+    });
   });
 }
 
-// x / rms(x) * weight, rows of [T, hidden], into a new tensor: the first layer's norm, whose input
-// (the embedding) becomes the residual
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// residual += x; x = residual / rms(residual) * weight, rows of [T, hidden]
+void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  add_rms_norm_into(x, residual, weight, eps, x);
+}
+
+// x / rms(x) * weight, rows of [T, hidden] in float32, into a new tensor of `dtype` (float32 or bfloat16):
+// the first layer's norm, whose input (the embedding) becomes the residual
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType dtype) {
   check_rows(x, "x");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
               "weight: contiguous float32 [hidden]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "out: float32 or bfloat16");
   const int64_t rows = x.size(0), size = x.size(1);
-  at::Tensor out = at::empty({rows, size}, x.options());
+  at::Tensor out = at::empty({rows, size}, x.options().dtype(dtype));
   const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      scale_by_rms(xp + i * xs, op + i * size, w, size, eps);
-    }
+  with_rows(x, out, [&](const auto*, auto* op) {  // (x is float32: checked above)
+    at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scale_by_rms(xp + i * xs, op + i * size, w, size, eps);
+      }
+    });
   });
   return out;
 }
@@ -116,27 +155,30 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
   });
 }
 
-// out [T, I] = silu(x[:, :I]) * x[:, I:], for x [T, 2 I] (the fused gate/up projection)
+// out [T, I] = silu(x[:, :I]) * x[:, I:], for x [T, 2 I] (the fused gate/up projection); each float32 or
+// bfloat16
 void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
-  check_rows(x, "x");
-  check_rows(out, "out");
+  check_rows(x, "x", true);
+  check_rows(out, "out", true);
   const int64_t rows = x.size(0), size = out.size(1);
   TORCH_CHECK(x.size(1) == 2 * size && out.size(0) == rows, "x [T, 2 I], out [T, I]");
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* __restrict gate = xp + i * xs;
-      const float* __restrict up = gate + size;
-      float* __restrict o = op + i * os;
-      // silu(g) = g / (1 + e^-g), from e = e^-|g| so that exp never overflows
-      for (int64_t j = 0; j < size; ++j) o[j] = vsup::exp_nonpositive(-std::fabs(gate[j]));
-      for (int64_t j = 0; j < size; ++j) {
-        const float g = gate[j], e = o[j];
-        o[j] = (g >= 0.f ? g : g * e) / (1.f + e) * up[j];
+  with_rows(x, out, [&](const auto* xp, auto* op) {
+    using Out = std::remove_pointer_t<decltype(op)>;
+    at::parallel_for(0, rows, grain_rows(size), [&](int64_t begin, int64_t end) {
+      std::vector<float> e(size);
+      for (int64_t i = begin; i < end; ++i) {
+        const auto* __restrict gate = xp + i * xs;
+        const auto* __restrict up = gate + size;
+        Out* __restrict o = op + i * os;
+        // silu(g) = g / (1 + e^-g), from e = e^-|g| so that exp never overflows
+        for (int64_t j = 0; j < size; ++j) e[j] = vsup::exp_nonpositive(-std::fabs(vsup::widen(gate[j])));
+        for (int64_t j = 0; j < size; ++j) {
+          const float g = vsup::widen(gate[j]);
+          o[j] = vsup::narrow<Out>((g >= 0.f ? g : g * e[j]) / (1.f + e[j]) * vsup::widen(up[j]));
+        }
       }
-    }
+    });
   });
 }
 

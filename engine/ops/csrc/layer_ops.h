@@ -7,7 +7,9 @@
 namespace vsup {
 
 void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       const at::Tensor& out);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType dtype);
 void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(const at::Tensor& x, const at::Tensor& out);
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

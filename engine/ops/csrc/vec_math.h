@@ -27,4 +27,24 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // 2^n
 }
 
+// bfloat16 is float32's upper half: widening is exact, narrowing rounds to nearest even (as torch
+// does; a NaN stays a NaN). Kernels whose rows may be either take `float` or `BF16` element pointers.
+using BF16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(BF16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline BF16 narrow<BF16>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<BF16>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
 }  // namespace vsup
