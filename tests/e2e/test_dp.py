@@ -94,9 +94,9 @@ def test_a_draining_rank_gets_no_new_request_while_another_can_take_them(serve):
     """`vsup restart --role worker --dp 0` under 8 streams drains dp0 (its running requests finish, then
     its workers restart): the requests that come meanwhile go to dp1 instead of waiting in dp0's queue
     for the restart, and every stream completes."""
-    s = serve("-dp", "2")
+    s = serve("-dp", "2", "--max-model-len", "512")  # the tiny model's longest: streams that outlast a busy /health
     s.wait_serving()
-    streams = Streams(s.client, [f"story {i}" for i in range(8)], n=200)
+    streams = Streams(s.client, [f"story {i}" for i in range(8)], n=480)
     wait_for(streams.all_streaming, timeout=60, what="8 streams under way")
     restart = threading.Thread(target=lambda: s.vsup("restart", "--role", "worker", "--dp", "0"))
     restart.start()
