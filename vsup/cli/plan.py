@@ -1,9 +1,5 @@
 """`vsup plan`: the process tree and count a deployment will have, before launch."""
 
-from __future__ import annotations
-
-import json
-
 import typer
 
 from vsup.cli import options
@@ -65,6 +61,8 @@ def plan(
         out = the_plan.to_json()
         if memory is not None:
             out["memory"] = memory_json(memory)
+        import json
+
         typer.echo(json.dumps(out, indent=2))
     else:
         from vsup.printer import render_memory, render_plan

@@ -1,7 +1,5 @@
 """`vsup serve`: launch exactly the plan's processes, tag their lines, heal them, stop them in order."""
 
-from __future__ import annotations
-
 import os
 import sys
 from dataclasses import replace
@@ -11,7 +9,6 @@ import typer
 from vsup.cli import options
 from vsup.cli.parallel_flags import parallel_flags
 from vsup.errors import Failure, UsageError
-from vsup.serve_flags import ServeFlags, engine_args
 from vsup.topology import ParallelConfig, Plan
 from vsup.topology import plan as make_plan
 
@@ -75,6 +72,7 @@ def serve(
     from vsup.cli.plan import placement_of
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
+    from vsup.serve_flags import ServeFlags, engine_args
     from vsup.supervisor.manager import Options
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
