@@ -97,8 +97,8 @@ def pack_linears(model: nn.Module, linear_dtype: str | None = None) -> None:
     if dtype is not None and model.dtype != torch.float32:
         raise ValueError(f"--linear-dtype {linear_dtype} is for a float32 model (--dtype float32), not {model.dtype}")
     if dtype is not None and not all(cpu_linear.enabled(m.weight, dtype) for m in linears):
-        raise ValueError(f"--linear-dtype {linear_dtype} needs the CPU device and a CPU that computes it "
-                         f"(avx512_bf16 or AMX for bfloat16); leave it out here")
+        raise ValueError(f"--linear-dtype {linear_dtype} needs packed linears: the CPU device, a CPU that computes "
+                         f"it (avx512_bf16 or AMX for bfloat16) and VSUP_PACKED_LINEAR not 0; leave it out here")
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
               and not isinstance(m, ParallelLMHead)}
     for module in linears:

@@ -14,6 +14,7 @@ import torch
 from engine.model import decode_stack
 from engine.model.attention import AttentionMetadata
 from engine.model.loader import load_model
+from engine.ops import cpu_linear
 from tests.engine.cpu_kernels import built  # noqa: F401 (built: autouse)
 
 BLOCK_SIZE = 16
@@ -59,7 +60,7 @@ def python_loop(monkeypatch):
 @pytest.mark.parametrize("linear_dtype", [None, "bfloat16"])  # bfloat16: linears cast around, the rest float32
 def test_the_stack_computes_what_the_python_loop_does(variant, seq_lens, shared, linear_dtype, tiny_model,
                                                       python_loop, monkeypatch):
-    if linear_dtype and not torch.cpu._is_avx512_bf16_supported():
+    if linear_dtype and not cpu_linear.computes_bfloat16():
         pytest.skip("this CPU has no avx512_bf16: no bfloat16 linears")
     model = load_model(tiny_model(variant), dtype="float32", linear_dtype=linear_dtype)
     input_ids, positions, caches, metadata = decode_batch(model, seq_lens, shared)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine.model.loader import load_model
 from engine.ops import cpu_linear
 
-BF16_CPU = torch.cpu._is_avx512_bf16_supported()
+BF16_CPU = cpu_linear.computes_bfloat16()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

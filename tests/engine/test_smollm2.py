@@ -6,6 +6,7 @@ import torch
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.default_model import default_model_dir
 from engine.model.loader import load_model
+from engine.ops import cpu_linear
 from engine.worker.worker import Worker, WorkerConfig
 
 from .test_worker import drive  # noqa: E402  (the test core that feeds a Worker)
@@ -48,7 +49,7 @@ def test_greedy_32_tokens_equal_transformers(model_dir, hf_greedy):
     assert outputs == hf_greedy(model_dir, {k: (p, 32) for k, p in PROMPTS.items()})
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no avx512_bf16")
+@pytest.mark.skipif(not cpu_linear.computes_bfloat16(), reason="this CPU has no avx512_bf16")
 def test_bfloat16_linears_stay_near_transformers(model_dir, hf_logits, hf_greedy):
     """--linear-dtype bfloat16 rounds the linears' inputs and weights: its logits are near float32's, not
     equal, and the next token is mostly the same; prefill and the decode stack both run it."""
