@@ -18,18 +18,18 @@ from tests.engine.cpu_kernels import built, spy  # noqa: F401 (built: autouse)
 BLOCK_SIZE = 16
 
 
-def make_batch(seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, shared_blocks=0, seed=0):
+def make_batch(seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, shared_blocks=0, seed=0, block_size=BLOCK_SIZE):
     """Random caches and block tables for sequences of `seq_lens` tokens (the last one this step's);
     the first `shared_blocks` blocks of every table are the same physical blocks."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = 1 + shared_blocks + sum(max(0, n - shared_blocks) for n in needed)
-    key_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
-    value_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     free = (torch.randperm(num_blocks - 1 - shared_blocks, generator=gen) + 1 + shared_blocks).tolist()
     tables = [list(range(1, 1 + min(shared_blocks, n))) + [free.pop() for _ in range(max(0, n - shared_blocks))]
               for n in needed]
-    metadata = AttentionMetadata.build([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, BLOCK_SIZE)
+    metadata = AttentionMetadata.build([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, block_size)
     # the query as the model has it: a view of the fused q/k/v projection, rows not contiguous
     qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     return qkv[:, :num_heads], key_cache, value_cache, metadata
@@ -64,6 +64,17 @@ def test_kernel_reads_shared_prefix_blocks(shared_blocks):
     query, key_cache, value_cache, metadata = make_batch([33, 40, 48, 49, 64], shared_blocks=shared_blocks)
     assert len({tuple(t[:shared_blocks]) for t in metadata.block_tables.tolist()}) == 1
     out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_kernel_at_each_head_dim(head_dim):
+    """64 and 128 have kernels of their own where the CPU has AVX-512 (16 tokens' dots summed across
+    lanes together, their rows prefetched); other sizes one dot at a time. Contexts end before, at
+    and after a 16-token group, with a block size that is not 16."""
+    query, key_cache, value_cache, metadata = make_batch([1, 15, 16, 17, 31, 32, 33, 100], 6, 2, head_dim,
+                                                         block_size=8)
+    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, head_dim ** -0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -5,7 +5,8 @@
 // [num_seqs, num_heads, head_dim] with unit stride in its last dim (a view of the fused qkv output
 // is fine). One task is one (sequence, KV head) with every query head that shares it (GQA), so each
 // K and V row is read once per group: scores for all its tokens, their softmax, then the weighted
-// sum of V. A sequence of length 0 gives zeros. Tasks run on torch's intra-op threads.
+// sum of V. A sequence of length 0 gives zeros. Tasks run on torch's intra-op threads. With AVX-512
+// and a head_dim of 64 or 128, the dots and the weighted sum have kernels of their own (below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,7 +14,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "layer_ops.h"
 #include "vec_math.h"
@@ -26,6 +32,132 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// One task's view of a sequence: token t's K (V) row of the task's first KV head starts at
+// keys + rows[t] (values + rows[t]); KV head j of the task is j * head_dim further on.
+struct Context {
+  const float* keys;
+  const float* values;
+  const int64_t* rows;
+  int64_t len, heads, group, head_dim;  // heads: the task's query heads, `group` to a KV head
+};
+
+// scores[h * len + t] = scale * (q_h . k_t), one dot at a time.
+void scores_any(const Context& c, const float* q, int64_t q_head, float scale, float* scores) {
+  for (int64_t t = 0; t < c.len; ++t) {
+    const float* k = c.keys + c.rows[t];
+    for (int64_t h = 0; h < c.heads; ++h) {
+      scores[h * c.len + t] = dot(q + h * q_head, k + (h / c.group) * c.head_dim, c.head_dim) * scale;
+    }
+  }
+}
+
+// out[h] = sum over t of scores[h * len + t] * v_t, head by head.
+void values_any(const Context& c, const float* scores, float* out) {
+  std::fill(out, out + c.heads * c.head_dim, 0.f);
+  for (int64_t t = 0; t < c.len; ++t) {
+    const float* v = c.values + c.rows[t];
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const float p = scores[h * c.len + t];
+      const float* vh = v + (h / c.group) * c.head_dim;
+      float* a = out + h * c.head_dim;
+      for (int64_t d = 0; d < c.head_dim; ++d) a[d] += p * vh[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// Lane i of the result is the sum of v[i]'s 16 lanes: the 16 horizontal sums in 4 rounds of
+// shuffles and adds, each round halving the vectors (a dot's own horizontal sum is a chain of
+// dependent adds; 16 of them were most of the time of a decode step's attention).
+inline __m512 sums_of(__m512 (&v)[16]) {
+  __m512 w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: v[2i] in elements 0 and 2, v[2i+1] in 1 and 3
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i] .. v[4i+3] in elements 0 .. 3
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: z[2i]'s halves, then z[2i+1]'s
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores_any for head_dim = 16 C: 16 tokens at a time per head, their dots as 16 independent
+// vectors of partial sums, summed across lanes together.
+template <int C>
+void scores_avx512(const Context& c, const float* q, int64_t q_head, float scale, float* scores) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t width = c.heads / c.group * c.head_dim;  // floats of a token's row that the task reads
+  for (int64_t t0 = 0; t0 < c.len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, c.len - t0));
+    // Rows sit block by block wherever the allocator put them, where the hardware's prefetcher
+    // does not follow: ask for the next 16 tokens' keys, and these 16 tokens' values for later.
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      for (int64_t f = 0; f < width; f += 16) {
+        if (t + 16 < c.len) _mm_prefetch(reinterpret_cast<const char*>(c.keys + c.rows[t + 16] + f), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(c.values + c.rows[t] + f), _MM_HINT_T1);
+      }
+    }
+    for (int64_t h = 0; h < c.heads; ++h) {
+      __m512 qv[C], acc[16];
+      for (int i = 0; i < C; ++i) qv[i] = _mm512_loadu_ps(q + h * q_head + 16 * i);
+      const float* k = c.keys + (h / c.group) * c.head_dim;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < n) {
+          const float* row = k + c.rows[t0 + j];
+          for (int i = 0; i < C; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(row + 16 * i), acc[j]);
+        }
+      }
+      _mm512_mask_storeu_ps(scores + h * c.len + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sums_of(acc), scale_v));
+    }
+  }
+}
+
+// values_any for head_dim = 16 C: a head's sum stays in registers, two tokens at a time.
+template <int C>
+void values_avx512(const Context& c, const float* scores, float* out) {
+  for (int64_t h = 0; h < c.heads; ++h) {
+    const float* p = scores + h * c.len;
+    const float* v = c.values + (h / c.group) * c.head_dim;
+    __m512 a[C], b[C];
+    for (int i = 0; i < C; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 1 < c.len; t += 2) {
+      const float *r0 = v + c.rows[t], *r1 = v + c.rows[t + 1];
+      const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+      for (int i = 0; i < C; ++i) {
+        a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * i), a[i]);
+        b[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(r1 + 16 * i), b[i]);
+      }
+    }
+    if (t < c.len) {
+      const __m512 p0 = _mm512_set1_ps(p[t]);
+      for (int i = 0; i < C; ++i) a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + c.rows[t] + 16 * i), a[i]);
+    }
+    for (int i = 0; i < C; ++i) _mm512_storeu_ps(out + h * c.head_dim + 16 * i, _mm512_add_ps(a[i], b[i]));
+  }
+}
+#endif
+
+using Scores = void (*)(const Context&, const float*, int64_t, float, float*);
+using Values = void (*)(const Context&, const float*, float*);
+
+// The kernels for this head_dim: with AVX-512, 64 and 128 (the usual ones) have their own.
+std::pair<Scores, Values> kernels_for(int64_t head_dim) {
+#if defined(__AVX512F__)
+  if (head_dim == 64) return {scores_avx512<4>, values_avx512<4>};
+  if (head_dim == 128) return {scores_avx512<8>, values_avx512<8>};
+#endif
+  return {scores_any, values_any};
 }
 
 }  // namespace
@@ -70,8 +202,10 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
   const int64_t grain = total_len * num_heads * head_dim < kSerialWork ? std::max<int64_t>(num_tasks, 1) : 1;
+  const auto [scores_of, values_of] = kernels_for(head_dim);
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(span_heads * head_dim);
+    std::vector<float> scores;
+    std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / splits, first_kv = (task % splits) * span, len = lens[seq];
       const int32_t* table = tables + seq * max_blocks;
@@ -81,14 +215,14 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
         std::fill(o, o + span_heads * head_dim, 0.f);
         continue;
       }
-      const int64_t offset = first_kv * head_dim;  // of the task's first KV head in a token's row
-      scores.resize(span_heads * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* k = k_ptr + table[t / block_size] * block_stride + (t % block_size) * token_stride + offset;
-        for (int64_t h = 0; h < span_heads; ++h) {
-          scores[h * len + t] = dot(q + h * q_head, k + (h / group) * head_dim, head_dim) * scale_f;
-        }
+      rows.resize(len);  // each token's row in the caches, block by block (no division per token)
+      for (int64_t t = 0; t < len; t += block_size) {
+        const int64_t block = table[t / block_size] * block_stride + first_kv * head_dim;
+        for (int64_t i = 0; i < std::min(block_size, len - t); ++i) rows[t + i] = block + i * token_stride;
       }
+      const Context context{k_ptr, v_ptr, rows.data(), len, span_heads, group, head_dim};
+      scores.resize(span_heads * len);
+      scores_of(context, q, q_head, scale_f, scores.data());
       for (int64_t h = 0; h < span_heads; ++h) {
         float* row = scores.data() + h * len;
         const float top = *std::max_element(row, row + len);
@@ -98,17 +232,7 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) row[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = v_ptr + table[t / block_size] * block_stride + (t % block_size) * token_stride + offset;
-        for (int64_t h = 0; h < span_heads; ++h) {
-          const float p = scores[h * len + t];
-          const float* vh = v + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), o);
+      values_of(context, scores.data(), o);
     }
   });
 }
