@@ -35,10 +35,10 @@ def make_batch(seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, shared_blocks
     return qkv[:, :num_heads], key_cache, value_cache, metadata
 
 
-def kernel_and_torch(query, key_cache, value_cache, metadata, scale):
+def kernel_and_torch(query, key_cache, value_cache, metadata, scale, vectorized=True):
     out = torch.empty(query.shape)
     torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, metadata.block_tables,
-                                              metadata.seq_lens, scale, out)
+                                              metadata.seq_lens, scale, out, vectorized)
     expected = attention._decode_attention_torch(query, key_cache, value_cache, metadata.block_tables,
                                                  metadata.seq_lens, metadata.max_seq_len, scale, metadata)
     return out, expected
@@ -51,10 +51,11 @@ def kernel_and_torch(query, key_cache, value_cache, metadata, scale):
     list(range(1, 70, 3)),  # more sequences than threads: whole sequences per task
 ])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_equals_the_torch_path(seq_lens, heads):
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_kernel_equals_the_torch_path(seq_lens, heads, vectorized):
     num_heads, num_kv_heads = heads
     query, key_cache, value_cache, metadata = make_batch(seq_lens, num_heads, num_kv_heads)
-    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, 64 ** -0.5)
+    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, 64 ** -0.5, vectorized)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -68,13 +69,14 @@ def test_kernel_reads_shared_prefix_blocks(shared_blocks):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_kernel_at_each_head_dim(head_dim):
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_kernel_at_each_head_dim(head_dim, vectorized):
     """64 and 128 have kernels of their own where the CPU has AVX-512 (16 tokens' dots summed across
-    lanes together, their rows prefetched); other sizes one dot at a time. Contexts end before, at
-    and after a 16-token group, with a block size that is not 16."""
+    lanes together, their rows prefetched); other sizes, other CPUs and vectorized=False one dot at a
+    time. Contexts end before, at and after a 16-token group, with a block size that is not 16."""
     query, key_cache, value_cache, metadata = make_batch([1, 15, 16, 17, 31, 32, 33, 100], 6, 2, head_dim,
                                                          block_size=8)
-    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, head_dim ** -0.5)
+    out, expected = kernel_and_torch(query, key_cache, value_cache, metadata, head_dim ** -0.5, vectorized)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -14,7 +14,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(const at::Tensor& x, const at::Tensor& out);
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            const at::Tensor& out);
+                            const at::Tensor& out, bool vectorized = true);
 void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const at::Tensor& slot_mapping);
 

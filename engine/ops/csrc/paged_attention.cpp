@@ -151,11 +151,12 @@ void values_avx512(const Context& c, const float* scores, float* out) {
 using Scores = void (*)(const Context&, const float*, int64_t, float, float*);
 using Values = void (*)(const Context&, const float*, float*);
 
-// The kernels for this head_dim: with AVX-512, 64 and 128 (the usual ones) have their own.
-std::pair<Scores, Values> kernels_for(int64_t head_dim) {
+// The kernels for this head_dim: with AVX-512, 64 and 128 (the usual ones) have their own, unless
+// `vectorized` is false (what a CPU without AVX-512 runs: the tests and bench/paged_attention.py).
+std::pair<Scores, Values> kernels_for(int64_t head_dim, bool vectorized) {
 #if defined(__AVX512F__)
-  if (head_dim == 64) return {scores_avx512<4>, values_avx512<4>};
-  if (head_dim == 128) return {scores_avx512<8>, values_avx512<8>};
+  if (vectorized && head_dim == 64) return {scores_avx512<4>, values_avx512<4>};
+  if (vectorized && head_dim == 128) return {scores_avx512<8>, values_avx512<8>};
 #endif
   return {scores_any, values_any};
 }
@@ -166,7 +167,7 @@ namespace vsup {
 
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
+                            const at::Tensor& seq_lens, double scale, const at::Tensor& out, bool vectorized) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D], caches [N, B, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                   value_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -202,7 +203,7 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
   const int64_t grain = total_len * num_heads * head_dim < kSerialWork ? std::max<int64_t>(num_tasks, 1) : 1;
-  const auto [scores_of, values_of] = kernels_for(head_dim);
+  const auto [scores_of, values_of] = kernels_for(head_dim, vectorized);
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> rows;
@@ -269,7 +270,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 
 TORCH_LIBRARY(vsup_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()",
+        "Tensor seq_lens, float scale, Tensor(a!) out, bool vectorized=True) -> ()",
         &vsup::paged_attention_decode);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
         &vsup::write_kv);
