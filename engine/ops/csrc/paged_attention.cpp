@@ -153,7 +153,7 @@ using Values = void (*)(const Context&, const float*, float*);
 
 // The kernels for this head_dim: with AVX-512, 64 and 128 (the usual ones) have their own, unless
 // `vectorized` is false (what a CPU without AVX-512 runs: the tests and bench/paged_attention.py).
-std::pair<Scores, Values> kernels_for(int64_t head_dim, bool vectorized) {
+std::pair<Scores, Values> kernels_for([[maybe_unused]] int64_t head_dim, [[maybe_unused]] bool vectorized) {
 #if defined(__AVX512F__)
   if (vectorized && head_dim == 64) return {scores_avx512<4>, values_avx512<4>};
   if (vectorized && head_dim == 128) return {scores_avx512<8>, values_avx512<8>};
