@@ -12,7 +12,6 @@ Pure: strings in, strings out.
 from __future__ import annotations
 
 import os
-import re
 
 SHM_PREFIX = "vsup-"
 
@@ -61,13 +60,13 @@ def ring_wakeup_socket(run_dir: str, dp: int) -> str:
 
 
 def ring_prefix(name: str, dp: int) -> str:
-    """/dev/shm name prefix of an engine core's step ring; the supervisor removes leftovers by it."""
-    return f"{SHM_PREFIX}{name}-dp{dp}"
+    """/dev/shm name prefix of an engine core's step ring."""
+    return f"{rings_prefix(name)}{dp}"
 
 
-def ring_pattern(name: str) -> str:
-    """A regex matching every ring segment of deployment `name` (prefix plus the ring's hex nonce)."""
-    return re.escape(f"{SHM_PREFIX}{name}-dp") + r"\d+-[0-9a-f]+"
+def rings_prefix(name: str) -> str:
+    """/dev/shm name prefix of every step ring of deployment `name` (the supervisor removes leftovers by it)."""
+    return f"{SHM_PREFIX}{name}-dp"
 
 
 def ring_remote_socket(master: str) -> str:

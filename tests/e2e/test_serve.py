@@ -7,14 +7,19 @@ import os
 import re
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from engine.ring.shm_broadcast import ShmBroadcastWriter
 from tests.conftest import held_shm
 from tests.e2e.served import VSUP, Streams, complete, complete_all, mid_stream
 from tests.polling import wait_for
+from vsup.addresses import ring_prefix
+
 
 @pytest.mark.parametrize("flags", [[], ["-tp", "2"], ["-pp", "2"], ["-dp", "2"], ["--no-multiprocessing", "-tp", "2"]],
                          ids=["tp1", "tp2", "pp2", "dp2", "inproc-tp2"])
@@ -103,6 +108,37 @@ def test_sigterm_lets_running_requests_finish(serve):
     assert texts == [reference]  # it ran to its end instead of being cut
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
     assert not [n for n in set(os.listdir("/dev/shm")) - held_shm() if n.startswith("vsup-e2e-")]
+
+
+DEAD_WRITER = """
+import os, sys
+from engine.ring.shm_broadcast import ShmBroadcastWriter
+ShmBroadcastWriter.create(sys.argv[1], 1, sys.argv[2])
+os._exit(0)  # gone without removing it, as a killed engine core
+"""
+
+
+def test_a_stop_removes_only_the_rings_whose_writer_is_gone(serve, tmp_path):
+    """A deployment of the same name under another VSUP_HOME has step rings of the same /dev/shm
+    prefix, named there until its workers attach (this test process stands for it: an in-process
+    test failed so when another test's deployment "e2e" stopped beside it). At stop the supervisor
+    removes the rings of its name whose writer is gone, and only those."""
+    s = serve()
+    s.wait_serving()
+    live = ShmBroadcastWriter.create(ring_prefix(s.name, 0), 1, f"ipc://{tmp_path}/live.sock")
+    before = set(os.listdir("/dev/shm"))
+    subprocess.run([sys.executable, "-c", DEAD_WRITER, ring_prefix(s.name, 1), f"ipc://{tmp_path}/dead.sock"],
+                   check=True, timeout=60)
+    dead = set(os.listdir("/dev/shm")) - before
+    try:
+        assert len(dead) == 1
+        assert s.stop()[0] == 0
+        assert (Path("/dev/shm") / live.name).exists(), "the stop removed a ring whose writer is alive"
+        assert not dead & set(os.listdir("/dev/shm")), "the stop left a ring whose writer is gone"
+    finally:
+        live.close()
+        for name in dead:
+            (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
 def test_killed_supervisor_leaves_nothing_behind(serve):

@@ -4,7 +4,6 @@ stop in order. One thread and one selector: pidfds, the control socket, a wakeup
 from __future__ import annotations
 
 import os
-import re
 import selectors
 import signal
 import socket
@@ -12,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.ring.shm_segment import remove_stale
 from vsup import addresses
 from vsup.rundir import RunDir
 from vsup.supervisor import notify, units
@@ -340,10 +340,9 @@ class Supervisor:
         for entry in os.scandir(self.run_dir.path):
             if entry.name.endswith(".sock") or "-dist-" in entry.name:
                 os.unlink(entry.path)
-        rings = re.compile(addresses.ring_pattern(self.run_dir.name))
-        for name in os.listdir("/dev/shm"):
-            if rings.fullmatch(name):
-                os.unlink(os.path.join("/dev/shm", name))
+        # only the rings whose writer is gone: a deployment of the same name under another VSUP_HOME
+        # may be running, and its rings have the same prefix
+        remove_stale(addresses.rings_prefix(self.run_dir.name))
 
     # state
 
