@@ -64,3 +64,19 @@ def mapped_shm(pid: int) -> set[str]:
                     for line in f if "/dev/shm/" in line}
     except OSError:
         return set()
+
+
+def shm_in_use() -> set[str]:
+    """The /dev/shm entries that a process this user can read has mapped or open now (a writer
+    holds the fd of a segment it is creating before it maps it)."""
+    names = set()
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        names |= mapped_shm(pid)
+        try:
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(fd.path)
+                if target.startswith("/dev/shm/"):
+                    names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return names

@@ -3,6 +3,7 @@ stop in order. One thread and one selector: pidfds, the control socket, a wakeup
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -11,8 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.ring.shm_segment import remove_stale
-from vsup import addresses
+from vsup import addresses, procfs
 from vsup.rundir import RunDir
 from vsup.supervisor import notify, units
 from vsup.supervisor.child import Child
@@ -340,9 +340,16 @@ class Supervisor:
         for entry in os.scandir(self.run_dir.path):
             if entry.name.endswith(".sock") or "-dist-" in entry.name:
                 os.unlink(entry.path)
-        # only the rings whose writer is gone: a deployment of the same name under another VSUP_HOME
-        # may be running, and its rings have the same prefix
-        remove_stale(addresses.rings_prefix(self.run_dir.name))
+        # only the rings that no process holds: a deployment of the same name under another VSUP_HOME
+        # may be running, and its rings have the same prefix (listed first: a ring made after the
+        # listing is not looked at, one made before it is held by its writer from its creation on)
+        prefix = addresses.rings_prefix(self.run_dir.name)
+        rings = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+        in_use = procfs.shm_in_use() if rings else set()
+        for name in rings:
+            if name not in in_use:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
 
     # state
 
