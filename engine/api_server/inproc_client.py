@@ -82,10 +82,13 @@ def build_engine_core(config: InprocConfig):
 class InprocClient(ClientBase):
     """The engine client's API on an EngineCore stepped by a thread of this process."""
 
-    def __init__(self, config: InprocConfig, build=build_engine_core):
+    def __init__(self, config: InprocConfig, build=build_engine_core, on_fatal=None):
+        """`on_fatal(error)`, on the event loop, once no core is left in this process (it failed to start, or
+        failed later): the API server ends then, for its supervisor to start it, and so a core, again."""
         super().__init__(1)
         self.config = config
         self._build = build
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
@@ -156,7 +159,7 @@ class InprocClient(ClientBase):
             core = self._build(self.config)
         except Exception as e:
             log.exception("in-process engine core failed to start")
-            self._post(self.ranks.on_failed, 0, f"{type(e).__name__}: {e}")
+            self._post(self._on_failed, f"{type(e).__name__}: {e}")
             return
         self._post(self._on_ready, core.config.max_model_len)
         log.info("ready", num_blocks=core.config.num_blocks, max_model_len=core.config.max_model_len)
@@ -169,11 +172,13 @@ class InprocClient(ClientBase):
             core.close()
 
     def _on_failed(self, error: str) -> None:
-        """No core is left in this process: every open request ends with the error."""
+        """No core is left in this process: every open request ends with the error, then `on_fatal`."""
         self.ranks.on_failed(0, error)
         for stream in list(self.requests.values()):
             self._forget(stream)
             stream.finish(FinishReason.ERROR, f"the engine core failed: {error}")
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
     def _on_ready(self, max_model_len: int) -> None:
         self.ranks.on_hello(0, "inproc", None)

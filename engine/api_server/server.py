@@ -105,8 +105,9 @@ def listen_socket(host: str, port: int, reuse_port: bool, listen: bool = True) -
     return sock
 
 
-def build(args: argparse.Namespace, before_serving=None):
-    """The app for these args: tokenizer, engine client (ZeroMQ or in-process), metrics."""
+def build(args: argparse.Namespace, before_serving=None, on_fatal=None):
+    """The app for these args: tokenizer, engine client (ZeroMQ or in-process, which calls `on_fatal(error)`
+    once its core is gone), metrics."""
     from engine.api_server.app import build_app
     from engine.api_server.metrics import Metrics
     from engine.api_server.serving import Serving
@@ -130,7 +131,8 @@ def build(args: argparse.Namespace, before_serving=None):
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, worker_address=args.worker_address,
             ring_prefix=args.ring_prefix, wakeup_address=args.wakeup_address,
-            grammar_compile_timeout=args.grammar_compile_timeout, max_grammar_bytes=args.max_grammar_bytes))
+            grammar_compile_timeout=args.grammar_compile_timeout, max_grammar_bytes=args.max_grammar_bytes),
+            on_fatal=on_fatal)
     metrics = Metrics(client, state_file=args.state_file, supervisor_socket=args.supervisor_socket,
                       shared_dir=args.metrics_dir)
     serving = Serving(client, Tokenizer.from_dir(args.model), served_model_names=args.served_model_name or [args.model],
@@ -195,10 +197,19 @@ def main(argv: list[str] | None = None) -> int:
                 say_ready()
         announcing.add(asyncio.get_running_loop().create_task(announce()))
 
+    failed = []
+
+    def end_without_a_core(error: str) -> None:
+        # in-process, this process is the engine core: without one it serves nothing again, so it ends, and
+        # its supervisor starts it again (with its backoff and start limit) as it would a core process
+        log.error("no engine core is left in this process: exiting", error=error)
+        failed.append(error)
+        server.should_exit = True
+
     if not args.multiprocessing:
         say_ready()
     app = build(args, before_serving=join_the_port if join_later else
-                announce_when_ready if args.multiprocessing else None)
+                announce_when_ready if args.multiprocessing else None, on_fatal=end_without_a_core)
     config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = uvicorn.Server(config)
@@ -211,5 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         sock.close()
+    if failed:
+        return 1
     structlog.get_logger("api-server").info("stopped")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,19 @@ def test_killed_supervisor_leaves_nothing_behind(serve):
     wait_for(lambda: not [pid for pid in pids if psutil.pid_exists(pid)
                           and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
              timeout=2.0, what="the tree gone within 2 s of its supervisor")
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-multiprocessing"]], ids=["core-process", "inproc"])
+def test_weights_that_cannot_load_end_the_deployment_quoting_the_error(serve, model, tmp_path, flags):
+    """Bytes past the last tensor of a safetensors file (which vsup's header checks let by) fail the worker's
+    load at every start. In-process the API server holds the engine core and its worker: it exits then, as a
+    worker process does, rather than serve without a core for ever; so the supervisor restarts it with its
+    backoff and, at the start limit, ends quoting the error."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes() + b"trailing")
+    s = serve(*flags, "--max-restarts", "1", model_dir=str(broken))
+    out, err = s.proc.communicate(timeout=120)
+    assert s.proc.returncode == 1, err
+    assert "1 restarts within" in err and "file not fully covered" in err, err

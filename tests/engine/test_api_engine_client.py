@@ -256,9 +256,11 @@ def test_in_process_client_steps_a_core_in_its_thread():
         await client.close()
         assert core.closed
 
-        broken = InprocClient(InprocConfig(model="unused"), build=lambda config: 1 / 0)
+        fatal = []
+        broken = InprocClient(InprocConfig(model="unused"), build=lambda config: 1 / 0, on_fatal=fatal.append)
         await broken.start()
         await until(lambda: broken.health()["failed"] == [0])
+        assert fatal == ["ZeroDivisionError: division by zero"]  # the API server ends, for a restart
         with pytest.raises(EngineUnavailable, match="ZeroDivisionError"):
             broken.add_request([1], PARAMS)
         await broken.close()
