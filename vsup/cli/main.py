@@ -16,11 +16,12 @@ try:  # typer vendors click from 0.20 on
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
-# each command -> the modules of vsup.cli that `vsup COMMAND` imports: the one that defines it first, and
-# for plan and serve both, since one --config file serves the two (config_file.py checks the other's
-# keys). The modules a command does not need slow `vsup plan`'s start (bench/plan_latency.py measures it).
-COMMANDS = {"plan": ("plan", "serve"), "serve": ("serve", "plan"), "ps": ("ps",), "logs": ("logs",),
-            "stop": ("stop",), "restart": ("stop",)}
+# each command -> the module of vsup.cli that `vsup COMMAND` imports; with a --config file, plan and serve
+# import each other's as well, since one file serves the two (config_file.py checks the other's keys). The
+# modules a command does not need slow `vsup plan`'s start (bench/plan_latency.py measures it).
+COMMANDS = {"plan": ("plan",), "serve": ("serve",), "ps": ("ps",), "logs": ("logs",), "stop": ("stop",),
+            "restart": ("stop",)}
+CONFIG_SIBLING = {"plan": "serve", "serve": "plan"}
 
 
 def make_app(modules: list[str] | None = None) -> typer.Typer:
@@ -65,10 +66,8 @@ def execute(argv: list[str]) -> int:
     its traceback, and 1 (vsup/cli/crash.py). run() and the tests of bad input both come through here."""
     command = " ".join(["vsup", *[a for a in argv[:1] if a in COMMANDS]])
     state: dict = {}  # --config leaves what it read here, so that an error can name the file that set the value
-    # a command named first needs its module alone; help, completion and mistakes need them all
-    needed = COMMANDS.get(argv[0]) if argv and "_VSUP_COMPLETE" not in os.environ else None
     try:
-        app = make_app(list(needed) if needed else None)
+        app = make_app(modules_for(argv))
         code = app(args=argv, prog_name="vsup", standalone_mode=False, obj=state)
     except (UsageError, Failure) as e:
         message = state["config"].explain(str(e)) if "config" in state else str(e)
@@ -87,6 +86,16 @@ def execute(argv: list[str]) -> int:
         typer.echo(crash.report(command, e, state.get(crash.LOG_DIR)), err=True)
         return 1
     return code or 0
+
+
+def modules_for(argv: list[str]) -> list[str] | None:
+    """The modules `vsup ARGV` needs: a command named first needs its own (and with a config file, its
+    sibling's); help, completion and mistakes need them all (None)."""
+    if not argv or argv[0] not in COMMANDS or "_VSUP_COMPLETE" in os.environ:
+        return None
+    with_config = os.environ.get("VSUP_CONFIG") or any(a == "--config" or a.startswith("--config=") for a in argv)
+    sibling = CONFIG_SIBLING.get(argv[0]) if with_config else None
+    return [*COMMANDS[argv[0]], *([sibling] if sibling else [])]
 
 
 def one_line(message: str) -> str:
