@@ -53,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def kv_bytes(seqs: int, context: int) -> int:
+    """The K and V bytes one layer reads."""
+    return 2 * seqs * context * KV_HEADS * HEAD_DIM * 4
+
+
 class Layers:
     """`count` layers' K and V caches for `seqs` sequences of `context` tokens, the blocks shuffled."""
 
@@ -65,7 +70,7 @@ class Layers:
         self.metadata = AttentionMetadata.build([context - 1] * seqs, [1] * seqs, tables, BLOCK_SIZE)
         self.query = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen)
         self.out = torch.empty(self.query.shape)
-        self.bytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * 4  # K and V read by one layer
+        self.bytes = kv_bytes(seqs, context)
 
     def kernel(self, vectorized: bool) -> None:
         m = self.metadata
@@ -103,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     for context in args.contexts:
         for seqs in args.seqs:
-            per_layer = 2 * seqs * context * KV_HEADS * HEAD_DIM * 4
-            for place, count in (("resident", 2), ("streamed", max(2, -(-args.streamed_mb * 2**20 // per_layer)))):
+            streamed = max(2, -(-args.streamed_mb * 2**20 // kv_bytes(seqs, context)))
+            for place, count in (("resident", 2), ("streamed", streamed)):
                 layers = Layers(seqs, context, count, gen)
                 seconds = measure(layers, args.rounds)
                 results["rows"].append({"context": context, "seqs": seqs, "place": place, "layers": count,
