@@ -213,7 +213,7 @@ class HandshakeWatch:
     REFUSALS = 5
 
     def __init__(self, sock: zmq.Socket, address: str):
-        self.address = address
+        self.address, self.sock = address, sock
         self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.failures = 0
 
@@ -226,6 +226,8 @@ class HandshakeWatch:
                            f"--cluster-secret (VSUP_CLUSTER_SECRET) the same on every node?")
 
     def close(self) -> None:
+        if not self.sock.closed:  # first: an event for a closed monitor blocks ZeroMQ's I/O thread (worker_group.py)
+            self.sock.disable_monitor()
         self.monitor.close(linger=0)
 
 

@@ -241,5 +241,10 @@ class WorkerGroup:
             self.remote.close()
             self.remote = None
         if self.monitor is not None:
+            # stop the events first: libzmq's I/O thread sends each one blocking, and one for a monitor
+            # whose reader is closed (a worker's connection dropping while this socket closes) blocks it
+            # for good, with this port still bound: every new group failed to bind it (libzmq#3575)
+            self.sock.disable_monitor()
             self.monitor.close(linger=0)
+            self.monitor = None
         self.sock.close()

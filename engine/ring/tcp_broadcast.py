@@ -83,5 +83,6 @@ class TcpBroadcastReader:
                 raise TimeoutError(f"no step from {self.address} within {timeout} s")
 
     def close(self) -> None:
+        self.sock.disable_monitor()  # first: an event for a closed monitor blocks ZeroMQ's I/O thread (worker_group.py)
         self.monitor.close(linger=0)
         self.sock.close(linger=0)

@@ -22,6 +22,7 @@ from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache
                                          to_worker)
 from engine.worker.worker import Worker, WorkerConfig
 from tests.malformed import nested_too_deep
+from tests.polling import wait_for
 
 BLOCK = 4
 PROMPTS = {"a": [5, 17, 42, 99, 3, 250, 7], "b": [11, 12, 13]}
@@ -330,3 +331,44 @@ def test_a_worker_reconnecting_under_its_name_is_answered_while_its_old_connecti
             sock.close(linger=0)
         ctx.term()
         group.close(shutdown_workers=False)
+
+
+def test_a_group_closed_as_a_worker_disconnects_frees_its_port(tmp_path, monkeypatch):
+    """A group spanning nodes watches its workers' connections (a monitor on its ROUTER). A worker whose
+    connection drops while the group closes (tp0 exits right after its WorkerFailed) must not leave
+    ZeroMQ's I/O thread blocked for good sending that event to the closed monitor, with the port still
+    bound: each new group then failed to bind it until --worker-timeout (the multinode heal, under load)."""
+    from engine import cluster
+
+    monkeypatch.setenv(cluster.SECRET_ENV, "test-secret")
+    monkeypatch.setattr(cluster, "BIND_RETRY_S", 2.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    ctx, peer_ctx = zmq.Context(), zmq.Context()
+    group = make_group(tmp_path, 1, address, ctx=ctx)
+    peer = peer_ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    cluster.connect(peer, address)
+    try:
+        ready = stand_in_ready(group)
+        peer.send(encoder.encode(ready))
+        assert group.wait_for_ready(timeout_s=10) == [ready]
+        group.monitor = group.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # as initialize_cache, for remote ones
+        close = group.sock.close
+
+        def close_as_the_worker_leaves(*args, **kwargs):  # its connection drops between the monitor's close and ours
+            peer.close(linger=0)
+            # ZeroMQ's I/O thread closes our end once it has handled the drop; blocked sending the event, never
+            wait_for(lambda: not [c for c in psutil.Process().net_connections("tcp")
+                                  if c.laddr.port == port and c.status != psutil.CONN_LISTEN],
+                     timeout=10, what="the group's end of the dropped connection closed")
+            close(*args, **kwargs)
+        monkeypatch.setattr(group.sock, "close", close_as_the_worker_leaves)
+        group.close(shutdown_workers=False)
+        make_group(tmp_path, 1, address, ctx=ctx).close(shutdown_workers=False)  # the next generation binds
+    finally:
+        peer.close(linger=0)
+        peer_ctx.term()
+        ctx.destroy(linger=0)
