@@ -176,24 +176,27 @@ def replicas_heal(model_dir: str) -> dict:
 
 
 def pause_at_kill(url: str, victim) -> float | None:
-    """kill -9 of the worker `victim()` names once a stream has 8 tokens; the longest pause of that same
-    stream from then on (from the kill to its next token, or between two of its tokens)."""
+    """kill -9 of the worker `victim()` names once a stream has 8 chunks; the longest pause of that same
+    stream from then on (from the kill to its next chunk, or between two of its chunks), or None when
+    the stream did not reach its 64 tokens. (vLLM puts tokens that are ready together into one chunk, so
+    under load a stream of 64 tokens may come in fewer chunks.)"""
     import httpx
 
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "stream": True,
             "ignore_eos": True}
     stamps = []
-    killed = None
+    killed, finish = None, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.monotonic())
+                finish = json.loads(line[len("data: "):])["choices"][0].get("finish_reason") or finish
                 if len(stamps) == 8:
                     worker = victim()
                     killed = time.monotonic()
                     os.kill(worker, signal.SIGKILL)
     after = [t for t in stamps if killed is not None and t > killed]
-    if not after or len(stamps) < 64:
+    if not after or finish != "length":
         return None
     return max(b - a for a, b in zip([killed, *after], after))  # (a token already on its way comes first)
 
