@@ -208,10 +208,10 @@ def test_every_command_is_found_under_its_own_name():
     import importlib
 
     from vsup.cli.main import COMMANDS
-    for module in {needed[0] for needed in COMMANDS.values()}:
+    for module in set(COMMANDS.values()):
         app = importlib.import_module(f"vsup.cli.{module}").app
         defined = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
-        assert defined == {command for command, needed in COMMANDS.items() if needed[0] == module}
+        assert defined == {command for command, its_module in COMMANDS.items() if its_module == module}
     for command in COMMANDS:
         assert vsup(command, "--help").returncode == 0
     assert vsup("stpo").returncode == 2

@@ -19,8 +19,7 @@ except ImportError:  # pragma: no cover
 # each command -> the module of vsup.cli that `vsup COMMAND` imports; with a --config file, plan and serve
 # import each other's as well, since one file serves the two (config_file.py checks the other's keys). The
 # modules a command does not need slow `vsup plan`'s start (bench/plan_latency.py measures it).
-COMMANDS = {"plan": ("plan",), "serve": ("serve",), "ps": ("ps",), "logs": ("logs",), "stop": ("stop",),
-            "restart": ("stop",)}
+COMMANDS = {"plan": "plan", "serve": "serve", "ps": "ps", "logs": "logs", "stop": "stop", "restart": "stop"}
 CONFIG_SIBLING = {"plan": "serve", "serve": "plan"}
 
 
@@ -35,7 +34,7 @@ def make_app(modules: list[str] | None = None) -> typer.Typer:
         pretty_exceptions_enable=False,
         rich_markup_mode=None,  # plain help: readable at any width, greppable, no rich import
     )
-    for module in modules or dict.fromkeys(m for needed in COMMANDS.values() for m in needed):
+    for module in modules or dict.fromkeys(COMMANDS.values()):
         app.add_typer(importlib.import_module(f"vsup.cli.{module}").app)
     app.callback()(main)
     return app
@@ -95,7 +94,7 @@ def modules_for(argv: list[str]) -> list[str] | None:
         return None
     with_config = os.environ.get("VSUP_CONFIG") or any(a == "--config" or a.startswith("--config=") for a in argv)
     sibling = CONFIG_SIBLING.get(argv[0]) if with_config else None
-    return [*COMMANDS[argv[0]], *([sibling] if sibling else [])]
+    return [COMMANDS[argv[0]], *([sibling] if sibling else [])]
 
 
 def one_line(message: str) -> str:
