@@ -30,8 +30,17 @@ def plain_torch(monkeypatch):
     return switch
 
 
+@pytest.fixture
+def two_threads():
+    """torch on two threads (pytest's workers run one each), so that large enough rows are split."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_add_rms_norm_equals_add_then_rms_norm(rows, plain_torch):
+def test_add_rms_norm_equals_add_then_rms_norm(rows, plain_torch, two_threads):
     norm = RMSNorm(576, 1e-5, ParallelGroups.single(), torch.float32)
     norm.weight.data.copy_(randn(576))
     x, residual = randn(rows, 576), randn(rows, 576) * 3
@@ -60,7 +69,7 @@ def test_rotary_in_place_equals_the_torch_rotation(tokens, plain_torch):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_silu_and_mul_equals_silu_times_up(rows):
+def test_silu_and_mul_equals_silu_times_up(rows, two_threads):
     gate_up = randn(rows, 2 * 1536) * 8  # large |gate| too: e^-g must neither overflow nor lose silu's sign
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -1e-3])
     out = torch.empty(rows, 1536)
@@ -114,6 +123,19 @@ def test_write_kv_stores_rows_where_index_copy_does(block_size, plain_torch, mon
     plain_torch()
     write_kv(key, value, caches[2], caches[3], metadata.slot_mapping)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_write_kv_of_a_decode_batch_on_two_threads_stores_every_row(two_threads):
+    # 64 new rows (past the grain where the threads share them), each into a random slot
+    slots = torch.randperm(32 * 16)[:64]
+    qkv = randn(64, 9 * 64)
+    key, value = qkv[:, :3 * 64].view(64, 3, 64), qkv[:, 6 * 64:].view(64, 3, 64)
+    key_cache, value_cache = torch.zeros(32, 16, 3, 64), torch.zeros(32, 16, 3, 64)
+    torch.ops.vsup_cpu.write_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.view(-1, 3, 64)[slots], key) and torch.equal(value_cache.view(-1, 3, 64)[slots], value)
+    untouched = torch.ones(32 * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not key_cache.view(-1, 3, 64)[untouched].any() and not value_cache.view(-1, 3, 64)[untouched].any()
 
 
 def test_write_kv_rejects_a_slot_outside_the_cache():

@@ -27,6 +27,7 @@
 namespace {
 
 constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds of q.k below which one thread does it all
+constexpr int64_t kWriteGrain = 8;         // new K/V rows below which one thread writes them all
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -260,10 +261,20 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   const float* v = value.data_ptr<float>();
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::memcpy(kc + slots[t] * row, k + t * key.stride(0), row * sizeof(float));
-    std::memcpy(vc + slots[t] * row, v + t * value.stride(0), row * sizeof(float));
-  }
+  // The slots are cold (a decode step's new rows land in blocks no one has read lately), so a copy
+  // waits on its destination's lines: both threads copy, each asking ahead for its next row's lines.
+  at::parallel_for(0, num_tokens, kWriteGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        for (int64_t f = 0; f < row; f += 16) {
+          __builtin_prefetch(kc + slots[t + 1] * row + f, 1);
+          __builtin_prefetch(vc + slots[t + 1] * row + f, 1);
+        }
+      }
+      std::memcpy(kc + slots[t] * row, k + t * key.stride(0), row * sizeof(float));
+      std::memcpy(vc + slots[t] * row, v + t * value.stride(0), row * sizeof(float));
+    }
+  });
 }
 
 }  // namespace vsup
