@@ -12,6 +12,7 @@ Pure: strings in, strings out.
 from __future__ import annotations
 
 import os
+import re
 
 SHM_PREFIX = "vsup-"
 
@@ -65,8 +66,14 @@ def ring_prefix(name: str, dp: int) -> str:
 
 
 def rings_prefix(name: str) -> str:
-    """/dev/shm name prefix of every step ring of deployment `name` (the supervisor removes leftovers by it)."""
+    """/dev/shm name prefix of every step ring of deployment `name`."""
     return f"{SHM_PREFIX}{name}-dp"
+
+
+def is_ring_of(name: str, entry: str) -> bool:
+    """Whether /dev/shm entry `entry` is a step ring of deployment `name`: its prefix, a DP rank and the
+    writer's hex nonce (the prefix alone would take in the rings of a deployment named `name`-dp3 too)."""
+    return re.fullmatch(rf"{re.escape(rings_prefix(name))}\d+-[0-9a-f]+", entry) is not None
 
 
 def ring_remote_socket(master: str) -> str:

@@ -123,19 +123,26 @@ def test_a_stop_removes_only_the_rings_whose_writer_is_gone(serve, tmp_path):
     """A deployment of the same name under another VSUP_HOME has step rings of the same /dev/shm
     prefix, named there until its workers attach (this test process stands for it: an in-process
     test failed so when another test's deployment "e2e" stopped beside it). At stop the supervisor
-    removes the rings of its name whose writer is gone, and only those."""
+    removes the rings of its name whose writer is gone, and only those: not those of a deployment whose
+    name starts with its own and "-dp"."""
     s = serve()
     s.wait_serving()
     live = ShmBroadcastWriter.create(ring_prefix(s.name, 0), 1, f"ipc://{tmp_path}/live.sock")
-    before = set(os.listdir("/dev/shm"))
-    subprocess.run([sys.executable, "-c", DEAD_WRITER, ring_prefix(s.name, 1), f"ipc://{tmp_path}/dead.sock"],
-                   check=True, timeout=60)
-    dead = set(os.listdir("/dev/shm")) - before
+
+    def dead_ring(prefix: str) -> str:
+        before = set(os.listdir("/dev/shm"))
+        subprocess.run([sys.executable, "-c", DEAD_WRITER, prefix, f"ipc://{tmp_path}/dead.sock"], check=True,
+                       timeout=60)
+        (name,) = set(os.listdir("/dev/shm")) - before
+        return name
+
+    dead = [dead_ring(ring_prefix(s.name, 1))]
+    dead.append(dead_ring(ring_prefix(f"{s.name}-dp3", 0)))  # another deployment's, gone too
     try:
-        assert len(dead) == 1
         assert s.stop()[0] == 0
         assert (Path("/dev/shm") / live.name).exists(), "the stop removed a ring whose writer is alive"
-        assert not dead & set(os.listdir("/dev/shm")), "the stop left a ring whose writer is gone"
+        assert not (Path("/dev/shm") / dead[0]).exists(), "the stop left a ring whose writer is gone"
+        assert (Path("/dev/shm") / dead[1]).exists(), "the stop removed another deployment's ring"
     finally:
         live.close()
         for name in dead:

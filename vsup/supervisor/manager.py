@@ -343,8 +343,7 @@ class Supervisor:
         # only the rings that no process holds: a deployment of the same name under another VSUP_HOME
         # may be running, and its rings have the same prefix (listed first: a ring made after the
         # listing is not looked at, one made before it is held by its writer from its creation on)
-        prefix = addresses.rings_prefix(self.run_dir.name)
-        rings = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+        rings = [name for name in os.listdir("/dev/shm") if addresses.is_ring_of(self.run_dir.name, name)]
         in_use = procfs.shm_in_use() if rings else set()
         for name in rings:
             if name not in in_use:
