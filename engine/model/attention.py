@@ -4,6 +4,9 @@ In plain torch, except where engine/ops has a kernel: on the CPU (float32) the K
 decode attention (engine/ops/csrc, which reads the blocks in place), on CUDA decode attention
 (Triton). The torch code stays as their fallback and the reference they are tested against.
 
+The caches may hold bfloat16 under a float32 model (--kv-cache-dtype bfloat16): K/V are rounded
+as they are written and widened as they are read, and attention computes in the model's dtype.
+
 Cache layout, per layer: key and value caches of shape
 [num_blocks, block_size, num_kv_heads // tp, head_dim]. Token j of a sequence
 lives in slot block_table[j // block_size] * block_size + j % block_size.
@@ -118,12 +121,20 @@ def kv_cache_block_bytes(config: ModelConfig, groups: ParallelGroups, block_size
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new tokens' key/value [num_tokens, H_kv, D] at their slots (every slot must be valid)."""
-    if cpu_extension.is_available(key_cache) and key.dtype == key_cache.dtype:
+    if _kernels_take(key, key_cache):
         torch.ops.vsup_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
         return
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+CPU_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the caches engine/ops' CPU kernels read and write
+
+
+def _kernels_take(rows: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether engine/ops' CPU kernels take these float32 rows (queries, or new K/V) with this cache."""
+    return cpu_extension.is_available(rows) and cache.device.type == "cpu" and cache.dtype in CPU_KERNEL_CACHE_DTYPES
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -146,7 +157,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     (power-of-two block size) go to engine/ops' Triton kernel.
     """
     block_size = key_cache.shape[1]
-    if query.is_cuda and metadata.is_decode_only and block_size & (block_size - 1) == 0:
+    if (query.is_cuda and metadata.is_decode_only and block_size & (block_size - 1) == 0
+            and key_cache.dtype == query.dtype):
         kernel = _decode_kernel()
         if kernel is not None:
             return kernel(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, scale)
@@ -171,8 +183,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             if key is not None and n == lens[i]:  # a whole prompt: its K/V are this step's
                 keys, values = key[rows], value[rows]
             else:
-                keys = _gather(key_cache, metadata.block_tables[i], lens[i])
-                values = _gather(value_cache, metadata.block_tables[i], lens[i])
+                keys = _gather(key_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
+                values = _gather(value_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
             out[rows] = _prefill_attention(query[rows], keys, values, scale)
     return out
 
@@ -199,8 +211,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
 def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
     """One query token per sequence, batched: query [B, H, D] -> [B, H, D]. On the CPU, engine/ops'
     kernel reads the blocks in place; the gather and SDPA below are its fallback and reference."""
-    if (cpu_extension.is_available(query) and key_cache.dtype == query.dtype and key_cache.is_contiguous()
-            and query.stride(-1) == 1):
+    if _kernels_take(query, key_cache) and key_cache.is_contiguous() and query.stride(-1) == 1:
         out = torch.empty(query.shape, dtype=query.dtype)
         torch.ops.vsup_cpu.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
         return out
@@ -211,8 +222,8 @@ def _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_len
     """The plain-torch decode attention: each sequence's blocks gathered, then SDPA."""
     block_size = key_cache.shape[1]
     shape = (query.shape[0], -(-max_len // block_size) * block_size, *key_cache.shape[2:])
-    keys = _gather(key_cache, block_tables, max_len, metadata.scratch("keys", shape, key_cache))
-    values = _gather(value_cache, block_tables, max_len, metadata.scratch("values", shape, value_cache))
+    keys = _gather(key_cache, block_tables, max_len, metadata.scratch("keys", shape, key_cache)).to(query.dtype)
+    values = _gather(value_cache, block_tables, max_len, metadata.scratch("values", shape, value_cache)).to(query.dtype)
     visible = torch.arange(max_len, device=query.device) < seq_lens.unsqueeze(1)  # [B, L]
     # SDPA's fused CPU kernel is 2-3x faster here than einsum + softmax (measured)
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),

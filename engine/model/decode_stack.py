@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.attention import CPU_KERNEL_CACHE_DTYPES
 from engine.ops import cpu_extension
 
 
@@ -34,7 +35,8 @@ def build(layers: list, eps: float):
 def applies(hidden: torch.Tensor, kv_caches: list, metadata, tp_size: int) -> bool:
     """A decode-only step, on one rank, where the kernels take the activations and the caches."""
     return (metadata.is_decode_only and tp_size == 1 and bool(kv_caches) and cpu_extension.is_available(hidden)
-            and all(k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches))
+            and all(k.dtype in CPU_KERNEL_CACHE_DTYPES and k.is_contiguous() and v.is_contiguous()
+                    for k, v in kv_caches))
 
 
 def run(stack, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
