@@ -55,6 +55,18 @@ def resolve_linear_dtype(linear_dtype: str, dtype: str, device: str, cpu_bfloat1
     return linear_dtype
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str | None:
+    """`--kv-cache-dtype` where it applies, or None when the cache stores `dtype` (auto). `dtype`: resolved."""
+    if kv_cache_dtype in ("auto", dtype):
+        return None
+    if device != "cpu":
+        raise UsageError(f"--kv-cache-dtype {kv_cache_dtype} is for the CPU; on CUDA give --dtype {kv_cache_dtype}")
+    if dtype != "float32":
+        raise UsageError(f"--kv-cache-dtype {kv_cache_dtype} stores a float32 model's K and V in {kv_cache_dtype}: "
+                         f"give --dtype float32 with it, or leave it out")
+    return kv_cache_dtype
+
+
 def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_bytes: int,
                         linear_bytes: int | None = None) -> int:
     """Bytes of weights one worker of `stage` holds: its layers' TP slices, plus the
@@ -106,6 +118,7 @@ class MemoryPlan:
     dtype: str
     stages: tuple[StageMemory, ...]
     linear_dtype: str | None = None  # the linears' and the head's, where it is not `dtype`
+    kv_cache_dtype: str | None = None  # the KV cache's, where it is not `dtype`
 
     @property
     def tokens_per_dp_rank(self) -> int:
@@ -120,7 +133,7 @@ class MemoryPlan:
 def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
                 device_bytes: int | None, kv_cache_memory: int | None,
                 gpu_memory_utilization: float, max_model_len: int | None,
-                linear_dtype: str = "auto", cpu_bfloat16: bool = False) -> MemoryPlan:
+                linear_dtype: str = "auto", cpu_bfloat16: bool = False, kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Work out what each worker holds, or raise a "won't fit" UsageError saying by how much.
 
     `device_bytes` is one worker's share of its device: a GPU's memory, or the
@@ -131,10 +144,12 @@ def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
     dtype = resolve_dtype(dtype, shape, device)
     linear_dtype = resolve_linear_dtype(linear_dtype, dtype, device, cpu_bfloat16)
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
     from vsup.model_shape import DTYPE_BYTES
 
     nbytes = DTYPE_BYTES[dtype]
     linear_bytes = DTYPE_BYTES[linear_dtype or dtype]
+    kv_bytes = DTYPE_BYTES[kv_cache_dtype or dtype]
     usable = None if device_bytes is None else int(device_bytes * (gpu_memory_utilization if device == "cuda" else 1))
     stages = []
     for stage, layers in enumerate(layer_ranges(shape.num_layers, pp)):
@@ -154,9 +169,9 @@ def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
                 f"won't fit: a worker of stage pp{stage} needs {format_bytes(weights)} of weights plus "
                 f"{format_bytes(kv_cache)} of KV cache but has {format_bytes(usable)}; short by "
                 f"{format_bytes(weights + kv_cache - usable)}. Lower --kv-cache-memory or raise -tp/-pp")
-        stages.append(StageMemory(stage, layers, weights, kv_bytes_per_token(shape, tp, len(layers), nbytes),
+        stages.append(StageMemory(stage, layers, weights, kv_bytes_per_token(shape, tp, len(layers), kv_bytes),
                                   kv_cache))
-    result = MemoryPlan(dtype, tuple(stages), linear_dtype)
+    result = MemoryPlan(dtype, tuple(stages), linear_dtype, kv_cache_dtype)
     needed = max_model_len or shape.max_position_embeddings
     if result.tokens_per_dp_rank < needed:
         short = needed - result.tokens_per_dp_rank

@@ -66,7 +66,8 @@ def render_memory(shape: ModelShape, memory: MemoryPlan, max_model_len: int | No
 
     lines = [f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
              f"{shape.num_heads} heads ({shape.num_kv_heads} KV), vocab {shape.vocab_size}, {memory.dtype}"
-             + (f" (linears {memory.linear_dtype})" if memory.linear_dtype else "")]
+             + (f" (linears {memory.linear_dtype})" if memory.linear_dtype else "")
+             + (f" (KV cache {memory.kv_cache_dtype})" if memory.kv_cache_dtype else "")]
     for s in memory.stages:
         lines.append(f"  worker pp{s.stage} (each tp rank): layers {s.layers.start}-{s.layers.stop - 1}, "
                      f"weights {format_bytes(s.weight_bytes)}, KV {format_bytes(s.kv_bytes_per_token)}/token, "

@@ -23,6 +23,7 @@ class ServeFlags:
     kv_cache_bytes: int | None = None
     max_grammar_bytes: int | None = None  # our engine's limit on a structured request's grammar (default 64 KiB)
     linear_dtype: str | None = None  # our engine's: the dtype a float32 model's linears compute in
+    kv_cache_dtype: str | None = None  # our engine's: the dtype a float32 model's KV cache stores
     uds: str | None = None  # a Unix socket to serve on instead of host and port (vLLM behind vsup's front)
 
 
@@ -35,5 +36,6 @@ def engine_args(flags: ServeFlags, *, multiprocessing: bool = True, dp_lockstep:
             *(("--max-model-len", str(flags.max_model_len)) if flags.max_model_len else ()),
             *(("--max-grammar-bytes", str(flags.max_grammar_bytes)) if flags.max_grammar_bytes else ()),
             *(("--linear-dtype", flags.linear_dtype) if flags.linear_dtype else ()),
+            *(("--kv-cache-dtype", flags.kv_cache_dtype) if flags.kv_cache_dtype else ()),
             *(() if multiprocessing else ("--no-multiprocessing",)),
             *(("--dp-lockstep",) if dp_lockstep else ()))

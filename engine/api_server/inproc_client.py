@@ -38,6 +38,8 @@ class InprocConfig:
     model: str
     device: str = "cpu"
     dtype: str = "auto"
+    linear_dtype: str | None = None
+    kv_cache_dtype: str | None = None
     kv_cache_bytes: int = 2**30
     block_size: int = 16
     max_model_len: int | None = None
@@ -74,6 +76,8 @@ def build_engine_core(config: InprocConfig):
                                       ring_prefix=config.ring_prefix, wakeup_address=config.wakeup_address)
     else:
         executor = InprocExecutor(WorkerConfig(model=config.model, device=config.device, dtype=config.dtype,
+                                               linear_dtype=config.linear_dtype,
+                                               kv_cache_dtype=config.kv_cache_dtype,
                                                kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size,
                                                num_threads=config.num_threads, name="api-server a0"))
     return build(config, executor, ModelConfig.from_pretrained(config.model))

@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the in-process engine's flags (the same spelling the engine core and worker take)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--linear-dtype", default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=2**30)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -125,7 +127,8 @@ def build(args: argparse.Namespace, before_serving=None, on_fatal=None):
     else:
         from engine.api_server.inproc_client import InprocClient, InprocConfig
         client = InprocClient(InprocConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+            model=args.model, device=args.device, dtype=args.dtype, linear_dtype=args.linear_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=args.kv_cache_bytes,
             block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
             num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,

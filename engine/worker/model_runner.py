@@ -47,9 +47,10 @@ class ModelRunner:
     """Runs steps of one model shard over its paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, groups: ParallelGroups, block_size: int,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], kv_cache_dtype: torch.dtype | None = None):
         self.model, self.groups = model, groups
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # what min_tokens holds back
         self.device = groups.device
         self.sampler = Sampler()
@@ -61,9 +62,9 @@ class ModelRunner:
         """One key and one value cache per layer of this stage; returns their bytes.
         (Dummy steps write into a scratch block of their own, outside this count.)"""
         self.kv_caches = allocate_kv_caches(self.model.config, self.groups, num_blocks, self.block_size,
-                                            self.model.dtype)
+                                            self.kv_cache_dtype)
         self.dummy_kv_caches = allocate_kv_caches(self.model.config, self.groups, 1, self.block_size,
-                                                  self.model.dtype)
+                                                  self.kv_cache_dtype)
         self.requests.clear()
         return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
 

@@ -36,6 +36,7 @@ class WorkerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     linear_dtype: str | None = None  # bfloat16: a float32 model's linears compute in it (engine/ops/cpu_linear.py)
+    kv_cache_dtype: str | None = None  # bfloat16: the KV cache stores K/V rounded to it (None: the model's dtype)
     kv_cache_bytes: int = 2**30
     block_size: int = 16
     dist_init_method: str | None = None  # tcp://host:port or file:///path, unique per deployment
@@ -90,13 +91,15 @@ class Worker:
         with contextlib.closing(ProgressReporter("loading weights", log)) as progress:
             model = load_model(cfg.model, self.groups, config=model_config, progress=progress,
                                linear_dtype=cfg.linear_dtype)
-        self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model))
+        kv_dtype = getattr(torch, cfg.kv_cache_dtype) if cfg.kv_cache_dtype else model.dtype
+        self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model), kv_dtype)
         if cfg.device == "cpu":
             cpu_extension.load()  # built on first use on this machine: here, not inside a step
         self.load_seconds = time.monotonic() - start
         dtype = str(model.dtype).removeprefix("torch.")
         log.info("model loaded", layers=f"{model.layer_range.start}-{model.layer_range.stop - 1}", dtype=dtype,
-                 linear_dtype=cfg.linear_dtype or dtype, weight_bytes=self.weight_bytes,
+                 linear_dtype=cfg.linear_dtype or dtype, kv_cache_dtype=cfg.kv_cache_dtype or dtype,
+                 weight_bytes=self.weight_bytes,
                  seconds=round(self.load_seconds, 2))
 
     @property
@@ -113,8 +116,8 @@ class Worker:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        model = self.runner.model
-        return kv_cache_block_bytes(model.config, self.groups, self.config.block_size, model.dtype)
+        return kv_cache_block_bytes(self.runner.model.config, self.groups, self.config.block_size,
+                                    self.runner.kv_cache_dtype)
 
     def ready_report(self) -> WorkerReady:
         """What the engine core needs to size the group's cache: this worker's block count and memory."""

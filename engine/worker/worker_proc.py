@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--linear-dtype", default=None, choices=["bfloat16"],
                    help="the dtype a float32 model's linear layers compute in (a CPU with avx512_bf16 or AMX)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16"],
+                   help="the dtype the KV cache stores (default: the model's)")
     p.add_argument("--kv-cache-bytes", type=int, default=2**30, help="KV cache budget of this worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--core-address", required=True, help="the engine core's worker socket (ipc:// or tcp://)")
@@ -71,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, tp_rank=args.tp_rank, pp_rank=args.pp_rank,
         dp_rank=args.dp_rank, device=args.device, dtype=args.dtype, linear_dtype=args.linear_dtype,
-        kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dist_init_method=args.dist_init_method,
-        num_threads=threads, name=name)
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
+        dist_init_method=args.dist_init_method, num_threads=threads, name=name)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

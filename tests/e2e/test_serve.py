@@ -58,6 +58,28 @@ def test_bfloat16_linears_reach_the_worker(serve):
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-multiprocessing"]], ids=["core-process", "inproc"])
+def test_a_bfloat16_kv_cache_reaches_the_worker(serve, model, flags):
+    """--kv-cache-dtype bfloat16: the worker (in-process: the API server, which holds it) stores K and V in
+    bfloat16, in twice the blocks of a float32 cache of the same --kv-cache-memory, and it serves."""
+    s = serve("--kv-cache-dtype", "bfloat16", *flags)
+    s.wait_serving()
+    assert len(complete(s.client, "hello", n=8, stream=False)) > 0
+    role = "api-server" if flags else "worker"
+    records = [json.loads(line) for line in s.vsup("logs", "--role", role, "--json").stdout.splitlines()]
+    loaded = [r for r in records if r.get("event") == "model loaded"]
+    allocated = [r for r in records if r.get("event") == "kv cache allocated"]
+    assert [(r["dtype"], r["kv_cache_dtype"]) for r in loaded] == [("float32", "bfloat16")]
+    shape = json.loads((Path(model) / "config.json").read_text())
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    block_bytes = 2 * shape["num_hidden_layers"] * 16 * shape["num_key_value_heads"] * head_dim * 2  # K, V in bf16
+    assert [r["kv_cache_bytes"] // r["num_blocks"] for r in allocated] == [block_bytes]
+    pids = list(s.pids().values())
+    code, _, err = s.stop()
+    assert code == 0, err
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
 def tree_of(text: str) -> list[str]:
     """The tree's rows (glyphs and name) of `vsup plan`'s or `vsup ps`'s output, from its root on."""
     lines = text.splitlines()

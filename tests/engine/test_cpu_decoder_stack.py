@@ -20,7 +20,7 @@ from tests.engine.cpu_kernels import built  # noqa: F401 (built: autouse)
 BLOCK_SIZE = 16
 
 
-def decode_batch(model, seq_lens: list[int], shared_blocks: int = 0, seed: int = 0):
+def decode_batch(model, seq_lens: list[int], shared_blocks: int = 0, seed: int = 0, cache_dtype=torch.float32):
     """Random caches holding each sequence's context, and a decode step adding its last token."""
     gen = torch.Generator().manual_seed(seed)
     config = model.config
@@ -31,7 +31,8 @@ def decode_batch(model, seq_lens: list[int], shared_blocks: int = 0, seed: int =
     tables = [list(range(1, 1 + min(shared_blocks, n))) + [free.pop() for _ in range(max(0, n - shared_blocks))]
               for n in needed]
     shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(config.num_layers)]
+    caches = [(torch.randn(shape, generator=gen).to(cache_dtype), torch.randn(shape, generator=gen).to(cache_dtype))
+              for _ in range(config.num_layers)]
     metadata = AttentionMetadata.build([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, BLOCK_SIZE)
     input_ids = torch.randint(0, config.vocab_size, (len(seq_lens),), generator=gen)
     positions = torch.tensor([n - 1 for n in seq_lens])
@@ -58,12 +59,13 @@ def python_loop(monkeypatch):
     ([33, 40, 48, 49], 2),  # prefix-cache hits: the first two blocks shared
 ])
 @pytest.mark.parametrize("linear_dtype", [None, "bfloat16"])  # bfloat16: linears cast around, the rest float32
-def test_the_stack_computes_what_the_python_loop_does(variant, seq_lens, shared, linear_dtype, tiny_model,
-                                                      python_loop, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bfloat16: --kv-cache-dtype
+def test_the_stack_computes_what_the_python_loop_does(variant, seq_lens, shared, linear_dtype, cache_dtype,
+                                                      tiny_model, python_loop, monkeypatch):
     if linear_dtype and not cpu_linear.computes_bfloat16():
         pytest.skip("this CPU has no avx512_bf16: no bfloat16 linears")
     model = load_model(tiny_model(variant), dtype="float32", linear_dtype=linear_dtype)
-    input_ids, positions, caches, metadata = decode_batch(model, seq_lens, shared)
+    input_ids, positions, caches, metadata = decode_batch(model, seq_lens, shared, cache_dtype=cache_dtype)
     runs, real_run = [], decode_stack.run
     monkeypatch.setattr(decode_stack, "run", lambda *args: runs.append(1) or real_run(*args))
     theirs_caches = copied(caches)
@@ -75,7 +77,9 @@ def test_the_stack_computes_what_the_python_loop_does(variant, seq_lens, shared,
     # input of the next linear the other way
     tol = 1e-5 if linear_dtype is None else 2e-2
     torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+    tol = tol if cache_dtype == torch.float32 else max(tol, 1e-2)  # one rounding of K/V to bfloat16 may differ
     for (k, v), (k2, v2) in zip(caches, theirs_caches):  # this step's K/V written to the same slots
+        assert k.dtype == cache_dtype
         torch.testing.assert_close(k, k2, atol=tol, rtol=tol)
         torch.testing.assert_close(v, v2, atol=tol, rtol=tol)
 

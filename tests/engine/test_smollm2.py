@@ -49,6 +49,24 @@ def test_greedy_32_tokens_equal_transformers(model_dir, hf_greedy):
     assert outputs == hf_greedy(model_dir, {k: (p, 32) for k, p in PROMPTS.items()})
 
 
+def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_outputs(model_dir, hf_greedy):
+    """--kv-cache-dtype bfloat16: K and V rounded as they are stored; the same bytes hold twice the blocks, and
+    prefill, chunked prefill and the decode stack over the rounded cache still give transformers' tokens here."""
+    def worker_of(kv_cache_dtype):
+        worker = Worker(WorkerConfig(model=str(model_dir), kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=64 << 20,
+                                     block_size=16))
+        worker.init_device()
+        worker.load_model()
+        return worker
+
+    rounded, exact = worker_of("bfloat16"), worker_of(None)
+    assert rounded.ready_report().num_blocks == 2 * exact.ready_report().num_blocks
+    rounded.initialize_cache(rounded.ready_report().num_blocks)
+    assert {t.dtype for pair in rounded.runner.kv_caches for t in pair} == {torch.bfloat16}
+    outputs = drive(rounded.execute, PROMPTS, 16, chunk=48, block_size=16)
+    assert outputs == hf_greedy(model_dir, {k: (p, 16) for k, p in PROMPTS.items()})
+
+
 @pytest.mark.skipif(not cpu_linear.computes_bfloat16(), reason="this CPU has no avx512_bf16")
 def test_bfloat16_linears_stay_near_transformers(model_dir, hf_logits, hf_greedy):
     """--linear-dtype bfloat16 rounds the linears' inputs and weights: its logits are near float32's, not

@@ -143,6 +143,32 @@ def test_bfloat16_linears_are_for_the_cpu():
         resolve_linear_dtype("bfloat16", "float32", "cuda", cpu_bfloat16=True)
 
 
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens(smollm2_dir):
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    assert (memory["dtype"], memory["linear_dtype"], memory["kv_cache_dtype"]) == ("float32", "float32", "bfloat16")
+    assert memory["workers"][0]["weight_bytes"] == 134_515_008 * 4  # the weights stay float32
+    assert memory["workers"][0]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert memory["tokens_per_dp_rank"] == 2**30 // (2 * 30 * 3 * 64 * 2)
+    text = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-dtype", "bfloat16").stdout
+    assert "float32 (KV cache bfloat16)" in text and "22.5 KiB per token, 46,603 tokens" in text
+    for flags, needle in ((["--dtype", "float16"], "give --dtype float32 with it"),
+                          (["--engine", "vllm"], "--kv-cache-dtype not supported with --engine vllm")):
+        result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-dtype", "bfloat16", *flags)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_a_bfloat16_kv_cache_is_for_the_cpu():
+    from vsup.errors import UsageError
+    from vsup.memory import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", "float32", "cpu") is None
+    assert resolve_kv_cache_dtype("bfloat16", "bfloat16", "cuda") is None  # what --dtype gives
+    with pytest.raises(UsageError, match="is for the CPU; on CUDA give --dtype bfloat16"):
+        resolve_kv_cache_dtype("bfloat16", "float32", "cuda")
+
+
 def test_model_tp_must_divide_heads(smollm2_dir):
     result = vsup("plan", str(smollm2_dir), "--device", "cpu", "-tp", "2")
     assert result.returncode == 2

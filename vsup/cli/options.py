@@ -33,6 +33,11 @@ class LinearDType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class KvCacheDType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+
+
 def _option(*decls: str, help: str, panel: str | None = None, envvar: str | None = None, **kwargs):
     long = next(d for d in decls if d.startswith("--")).split("/")[0]
     envvar = envvar or "VSUP_" + long.lstrip("-").replace("-", "_").upper()
@@ -122,6 +127,12 @@ LinearDTypeOpt = Annotated[LinearDType, _option(
          "model's linears from bfloat16 weights, their inputs cast to it and their outputs back, while norms, "
          "attention and the KV cache stay float32 (like torch.autocast): on a CPU with avx512_bf16 or AMX, decode "
          "steps in half float32's time; greedy outputs part from float32's after some tokens.")]
+KvCacheDTypeOpt = Annotated[KvCacheDType, _option(
+    "--kv-cache-dtype", panel=MEMORY, case_sensitive=False,
+    help="The dtype the KV cache stores: auto is --dtype. bfloat16 keeps a float32 model's K and V rounded to "
+         "bfloat16 (attention still computes in float32), on the CPU: a token takes half the bytes, so "
+         "--kv-cache-memory holds twice the tokens and a decode step reads half as much; greedy outputs part "
+         "from float32's after some tokens.")]
 MaxModelLen = Annotated[Optional[int], _option(
     "--max-model-len", panel=MEMORY, show_default=False,
     help="Longest prompt plus output, in tokens.  [default: the model's max_position_embeddings]")]

@@ -20,6 +20,7 @@ def plan(
     replicas: options.Replicas = 1,
     dtype: options.DTypeOpt = options.DType.auto,
     linear_dtype: options.LinearDTypeOpt = options.LinearDType.auto,
+    kv_cache_dtype: options.KvCacheDTypeOpt = options.KvCacheDType.auto,
     max_model_len: options.MaxModelLen = None,
     kv_cache_memory: options.KvCacheMemory = None,
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
@@ -46,7 +47,8 @@ def plan(
         from vsup.vllm.args import check_supported
         from vsup.vllm.plan import vllm_plan
 
-        check_supported(config, **{"--linear-dtype": linear_dtype != options.LinearDType.auto})
+        check_supported(config, **{"--linear-dtype": linear_dtype != options.LinearDType.auto,
+                                   "--kv-cache-dtype": kv_cache_dtype != options.KvCacheDType.auto})
         the_plan = vllm_plan(config, replicas=replicas)
         placement = None
     else:
@@ -55,7 +57,8 @@ def plan(
     shape = memory = None
     if model is not None:
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
-                                     gpu_memory_utilization, engine.value, extra, linear_dtype.value)
+                                     gpu_memory_utilization, engine.value, extra, linear_dtype.value,
+                                     kv_cache_dtype.value)
 
     if as_json:
         out = the_plan.to_json()
@@ -86,6 +89,7 @@ def memory_json(memory) -> dict:
     return {
         "dtype": memory.dtype,
         "linear_dtype": memory.linear_dtype or memory.dtype,
+        "kv_cache_dtype": memory.kv_cache_dtype or memory.dtype,
         "workers": [{"pp": s.stage, "layers": [s.layers.start, s.layers.stop], "weight_bytes": s.weight_bytes,
                      "kv_bytes_per_token": s.kv_bytes_per_token, "kv_cache_bytes": s.kv_cache_bytes}
                     for s in memory.stages],

@@ -29,6 +29,7 @@ def serve(
     dp_lockstep: options.DpLockstep = False,
     dtype: options.DTypeOpt = options.DType.auto,
     linear_dtype: options.LinearDTypeOpt = options.LinearDType.auto,
+    kv_cache_dtype: options.KvCacheDTypeOpt = options.KvCacheDType.auto,
     max_model_len: options.MaxModelLen = None,
     kv_cache_memory: options.KvCacheMemory = None,
     max_grammar_bytes: options.MaxGrammarBytes = None,
@@ -87,7 +88,7 @@ def serve(
     port_socket = None if parallel.headless else bind_port(host, port)
     model_dir = os.path.abspath(model) if model else default_model()
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
-                             gpu_memory_utilization, engine.value, extra, linear_dtype.value)
+                             gpu_memory_utilization, engine.value, extra, linear_dtype.value, kv_cache_dtype.value)
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                        host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
@@ -105,7 +106,8 @@ def serve(
             raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
         check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep,
                                      "--max-grammar-bytes": max_grammar_bytes is not None,
-                                     "--linear-dtype": linear_dtype != options.LinearDType.auto})
+                                     "--linear-dtype": linear_dtype != options.LinearDType.auto,
+                                     "--kv-cache-dtype": kv_cache_dtype != options.KvCacheDType.auto})
         kv_cache_bytes = memory.stages[0].kv_cache_bytes if kv_cache_memory else None  # else vLLM's own default
         the_plan = vllm_deployment(parallel, replace(flags, kv_cache_bytes=kv_cache_bytes), vllm_bin, extra, api_key,
                                    FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas,
@@ -113,7 +115,7 @@ def serve(
         tree = VllmOptions(health_timeout=health_timeout, hang_timeout=hang_timeout)
     else:
         ours = replace(flags, dtype=memory.dtype, linear_dtype=memory.linear_dtype,
-                       kv_cache_bytes=memory.stages[0].kv_cache_bytes)
+                       kv_cache_dtype=memory.kv_cache_dtype, kv_cache_bytes=memory.stages[0].kv_cache_bytes)
         args = engine_args(ours, multiprocessing=parallel.multiprocessing, dp_lockstep=dp_lockstep)
         the_plan = make_plan(parallel, python=sys.executable, engine_args=args, run_dir=str(run_dir.path),
                              deployment=name)

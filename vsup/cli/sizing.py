@@ -9,7 +9,7 @@ from vsup.topology import ParallelConfig
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
                  kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup",
-                 vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto"):
+                 vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto", kv_cache_dtype: str = "auto"):
     """(shape, memory plan) for MODEL under `config`, or a UsageError that says what is missing from MODEL or
     does not fit. A stock vLLM runs more architectures than our engine: for it, any model whose shape reads
     like a Llama's. `vllm_args`: what follows `--` for it."""
@@ -38,7 +38,8 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
     memory = memory_plan(shape, tp=config.tensor_parallel_size, pp=config.pipeline_parallel_size, dtype=dtype,
                          device=config.device, device_bytes=device_bytes, kv_cache_memory=kv_bytes,
                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                         linear_dtype=linear_dtype, cpu_bfloat16=linear_dtype != "auto" and cpu_computes_bfloat16())
+                         linear_dtype=linear_dtype, cpu_bfloat16=linear_dtype != "auto" and cpu_computes_bfloat16(),
+                         kv_cache_dtype=kv_cache_dtype)
     return shape, memory
 
 
