@@ -4,9 +4,9 @@
 // Caches are [num_blocks, block_size, num_kv_heads, head_dim], contiguous, float32 or bfloat16 (read
 // widened to float32, written rounded to nearest even: --kv-cache-dtype bfloat16); query is
 // [num_seqs, num_heads, head_dim], float32, with unit stride in its last dim (a view of the fused
-// qkv output is fine). One task is one (sequence, KV head) with every query head that shares it (GQA), so each
-// K and V row is read once per group: scores for all its tokens, their softmax, then the weighted
-// sum of V. A sequence of length 0 gives zeros. Tasks run on torch's intra-op threads. With AVX-512
+// qkv output is fine). One task is one (sequence, KV head) with every query head that shares it
+// (GQA), so each K and V row is read once per group: scores for all its tokens, their softmax, then
+// the weighted sum of V. A sequence of length 0 gives zeros. Tasks run on torch's intra-op threads. With AVX-512
 // and a head_dim of 64 or 128, the dots and the weighted sum have kernels of their own (below).
 
 #include <ATen/Parallel.h>
@@ -267,8 +267,9 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   }
 }
 
-// key, value [T, Hkv, D] (rows may be strided, each row's heads contiguous) into the caches' flat
-// slots slot_mapping[t]: one row copy each, where index_copy_ goes element by element.
+// key, value [T, Hkv, D] in float32 (rows may be strided, each row's heads contiguous) into the
+// caches' flat slots slot_mapping[t]: one row copy each, where index_copy_ goes element by element
+// (into bfloat16 caches, each element rounded).
 void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "float32 key and value");
