@@ -7,7 +7,9 @@ the order rotating every round:
   of 64 or 128: 16 tokens' dots summed across lanes together, rows prefetched);
 - `one dot`: the same kernel with vectorized=False, one dot at a time (what a CPU without AVX-512
   runs; the kernel before the vectorized one, less its division per token);
-- `torch`: the plain path the kernel replaces (each sequence's blocks gathered, then SDPA).
+- `torch`: the plain path the kernel replaces (each sequence's blocks gathered, then SDPA);
+- `bf16 KV`: the vectorized kernel over bfloat16 copies of the same caches (--kv-cache-dtype
+  bfloat16), which it widens as it loads them: half the bytes read.
 Two places for the cache: `resident`, two layers' caches read in turn (they stay in the CPU's
 caches), and `streamed`, as many layers as --streamed-mb of K and V (larger than the last-level
 cache: read from memory, as a step of a 30-layer model at batch 64 does). A sample is one pass over
@@ -66,15 +68,16 @@ class Layers:
         num_blocks = 1 + seqs * per_seq
         self.caches = [(torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen),
                         torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)) for _ in range(count)]
+        self.bf16_caches = [(k.bfloat16(), v.bfloat16()) for k, v in self.caches]
         tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(seqs, per_seq).tolist()
         self.metadata = AttentionMetadata.build([context - 1] * seqs, [1] * seqs, tables, BLOCK_SIZE)
         self.query = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen)
         self.out = torch.empty(self.query.shape)
         self.bytes = kv_bytes(seqs, context)
 
-    def kernel(self, vectorized: bool) -> None:
+    def kernel(self, vectorized: bool, bf16: bool = False) -> None:
         m = self.metadata
-        for k, v in self.caches:
+        for k, v in self.bf16_caches if bf16 else self.caches:
             torch.ops.vsup_cpu.paged_attention_decode(self.query, k, v, m.block_tables, m.seq_lens, HEAD_DIM ** -0.5,
                                                       self.out, vectorized)
 
@@ -88,7 +91,7 @@ class Layers:
 def measure(layers: Layers, rounds: int) -> dict[str, float]:
     """Median seconds per layer of each side."""
     sides = {"vectorized": lambda: layers.kernel(True), "one dot": lambda: layers.kernel(False),
-             "torch": layers.torch_path}
+             "torch": layers.torch_path, "bf16 KV": lambda: layers.kernel(True, bf16=True)}
     for run in sides.values():  # warm up (and page the caches in)
         run()
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -114,14 +117,18 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = measure(layers, args.rounds)
                 results["rows"].append({"context": context, "seqs": seqs, "place": place, "layers": count,
                                         "ms_per_layer": {n: s * 1e3 for n, s in seconds.items()},
-                                        "gb_per_s": {n: layers.bytes / s / 1e9 for n, s in seconds.items()}})
+                                        "gb_per_s": {n: layers.bytes / (2 if n == "bf16 KV" else 1) / s / 1e9
+                                                     for n, s in seconds.items()}})
                 del layers
     print_table("decode attention, ms per layer (median of rounds; GB/s of K and V read)",
-                ["context", "seqs", "cache", "vectorized", "one dot", "torch", "one dot / vect.", "torch / vect."],
+                ["context", "seqs", "cache", "vectorized", "one dot", "torch", "bf16 KV", "one dot / vect.",
+                 "torch / vect.", "vect. / bf16 KV"],
                 [[r["context"], r["seqs"], f"{r['place']} ({r['layers']} layers)",
-                  *(f"{r['ms_per_layer'][n]:.3f} ({r['gb_per_s'][n]:.1f})" for n in ("vectorized", "one dot", "torch")),
+                  *(f"{r['ms_per_layer'][n]:.3f} ({r['gb_per_s'][n]:.1f})"
+                    for n in ("vectorized", "one dot", "torch", "bf16 KV")),
                   f"{r['ms_per_layer']['one dot'] / r['ms_per_layer']['vectorized']:.2f}",
-                  f"{r['ms_per_layer']['torch'] / r['ms_per_layer']['vectorized']:.2f}"] for r in results["rows"]])
+                  f"{r['ms_per_layer']['torch'] / r['ms_per_layer']['vectorized']:.2f}",
+                  f"{r['ms_per_layer']['vectorized'] / r['ms_per_layer']['bf16 KV']:.2f}"] for r in results["rows"]])
     write_results("paged_attention", results, args.mode)
 
 
