@@ -129,9 +129,9 @@ LinearDTypeOpt = Annotated[LinearDType, _option(
          "steps in half float32's time; greedy outputs part from float32's after some tokens.")]
 KvCacheDTypeOpt = Annotated[KvCacheDType, _option(
     "--kv-cache-dtype", panel=MEMORY, case_sensitive=False,
-    help="The dtype the KV cache stores: auto is --dtype. bfloat16 keeps a float32 model's K and V rounded to "
-         "bfloat16 (attention still computes in float32), on the CPU: a token takes half the bytes, so "
-         "--kv-cache-memory holds twice the tokens and a decode step reads half as much; greedy outputs part "
+    help="The dtype the KV cache stores: auto is --dtype. bfloat16 (on the CPU, for a float32 model) stores K "
+         "and V rounded to bfloat16 while attention still computes in float32: a token takes half the bytes, so "
+         "--kv-cache-memory holds twice the tokens and a decode step reads half as much; greedy outputs can part "
          "from float32's after some tokens.")]
 MaxModelLen = Annotated[Optional[int], _option(
     "--max-model-len", panel=MEMORY, show_default=False,
