@@ -39,16 +39,24 @@ def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
     return dtype
 
 
+def _part_in_other_dtype(flag: str, value: str, dtype: str, device: str, does: str) -> str | None:
+    """`value` of `flag` (a part of a float32 model on the CPU in another dtype) where it applies, or None
+    when it is auto or `dtype` itself. `does`: what the part does in `value`, for the message."""
+    if value in ("auto", dtype):
+        return None
+    if device != "cpu":
+        raise UsageError(f"{flag} {value} is for the CPU; on CUDA give --dtype {value}")
+    if dtype != "float32":
+        raise UsageError(f"{flag} {value} {does} {value}: give --dtype float32 with it, or leave it out")
+    return value
+
+
 def resolve_linear_dtype(linear_dtype: str, dtype: str, device: str, cpu_bfloat16: bool) -> str | None:
     """`--linear-dtype` where it applies, or None when the linears compute in `dtype` (auto). `dtype`:
     resolved; `cpu_bfloat16`: whether this CPU computes bfloat16 (avx512_bf16 or AMX)."""
-    if linear_dtype in ("auto", dtype):
+    does = "runs a float32 model's linears in"
+    if _part_in_other_dtype("--linear-dtype", linear_dtype, dtype, device, does) is None:
         return None
-    if device != "cpu":
-        raise UsageError(f"--linear-dtype {linear_dtype} is for the CPU; on CUDA give --dtype {linear_dtype}")
-    if dtype != "float32":
-        raise UsageError(f"--linear-dtype {linear_dtype} runs a float32 model's linears in {linear_dtype}: give "
-                         f"--dtype float32 with it, or leave it out")
     if not cpu_bfloat16:
         raise UsageError(f"--linear-dtype {linear_dtype} needs a CPU with avx512_bf16 or AMX (without them bfloat16 "
                          f"is slower than float32 here): leave it out")
@@ -57,14 +65,8 @@ def resolve_linear_dtype(linear_dtype: str, dtype: str, device: str, cpu_bfloat1
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str | None:
     """`--kv-cache-dtype` where it applies, or None when the cache stores `dtype` (auto). `dtype`: resolved."""
-    if kv_cache_dtype in ("auto", dtype):
-        return None
-    if device != "cpu":
-        raise UsageError(f"--kv-cache-dtype {kv_cache_dtype} is for the CPU; on CUDA give --dtype {kv_cache_dtype}")
-    if dtype != "float32":
-        raise UsageError(f"--kv-cache-dtype {kv_cache_dtype} stores a float32 model's K and V in {kv_cache_dtype}: "
-                         f"give --dtype float32 with it, or leave it out")
-    return kv_cache_dtype
+    return _part_in_other_dtype("--kv-cache-dtype", kv_cache_dtype, dtype, device,
+                                "stores a float32 model's K and V in")
 
 
 def worker_weight_bytes(shape: ModelShape, tp: int, pp: int, stage: int, dtype_bytes: int,

@@ -118,6 +118,14 @@ def kv_cache_block_bytes(config: ModelConfig, groups: ParallelGroups, block_size
     return 2 * len(layers) * block_size * (config.num_kv_heads // groups.tp_size) * config.head_dim * itemsize
 
 
+CPU_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the caches engine/ops' CPU kernels read and write
+
+
+def _kernels_take(rows: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether engine/ops' CPU kernels take these float32 rows (queries, or new K/V) with this cache."""
+    return cpu_extension.is_available(rows) and cache.device.type == "cpu" and cache.dtype in CPU_KERNEL_CACHE_DTYPES
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new tokens' key/value [num_tokens, H_kv, D] at their slots (every slot must be valid)."""
@@ -127,14 +135,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
-
-
-CPU_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the caches engine/ops' CPU kernels read and write
-
-
-def _kernels_take(rows: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether engine/ops' CPU kernels take these float32 rows (queries, or new K/V) with this cache."""
-    return cpu_extension.is_available(rows) and cache.device.type == "cpu" and cache.dtype in CPU_KERNEL_CACHE_DTYPES
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -34,21 +34,11 @@ void check_rows(const at::Tensor& x, const char* what, bool bf16_too = false) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, size] with contiguous rows");
 }
 
-// f(T{}) with T the element type of rows of `dtype`: float, or vsup::BF16 for bfloat16
-template <typename F>
-void with_element(at::ScalarType dtype, F&& f) {
-  if (dtype == at::kBFloat16) {
-    f(vsup::BF16{});
-  } else {
-    f(float{});
-  }
-}
-
 // f(x's first element, out's first element), each a float* or a vsup::BF16*
 template <typename F>
 void with_rows(const at::Tensor& x, const at::Tensor& out, F&& f) {
-  with_element(x.scalar_type(), [&](auto in_type) {
-    with_element(out.scalar_type(), [&](auto out_type) {
+  vsup::with_element(x.scalar_type(), [&](auto in_type) {
+    vsup::with_element(out.scalar_type(), [&](auto out_type) {
       f(static_cast<const decltype(in_type)*>(x.data_ptr()), static_cast<decltype(out_type)*>(out.data_ptr()));
     });
   });

@@ -260,11 +260,7 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
       }
     });
   };
-  if (key_cache.scalar_type() == at::kBFloat16) {
-    attend(vsup::BF16{});
-  } else {
-    attend(float{});
-  }
+  vsup::with_element(key_cache.scalar_type(), attend);
 }
 
 // key, value [T, Hkv, D] in float32 (rows may be strided, each row's heads contiguous) into the
@@ -314,11 +310,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
       }
     });
   };
-  if (key_cache.scalar_type() == at::kBFloat16) {
-    write(vsup::BF16{});
-  } else {
-    write(float{});
-  }
+  vsup::with_element(key_cache.scalar_type(), write);
 }
 
 }  // namespace vsup

@@ -2,6 +2,8 @@
 
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -33,6 +35,16 @@ using BF16 = uint16_t;
 
 inline float widen(float x) { return x; }
 inline float widen(BF16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+
+// f(T{}) with T the element type of rows of `dtype`: float, or BF16 for bfloat16
+template <typename F>
+void with_element(c10::ScalarType dtype, F&& f) {
+  if (dtype == c10::kBFloat16) {
+    f(BF16{});
+  } else {
+    f(float{});
+  }
+}
 
 template <typename T>
 inline T narrow(float x);
