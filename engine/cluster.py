@@ -124,12 +124,14 @@ class Guard:
     """Answers ZAP for one context and watches its tcp:// sockets' handshakes; logs every refusal.
 
     Start it before the guarded sockets bind (libzmq asks ZAP only when a
-    handler is there), stop it before the context terminates."""
+    handler is there); `unwatch` each watched socket before closing it, and
+    stop the guard before the context terminates."""
 
     def __init__(self, ctx: zmq.Context):
         self.ctx = zmq.Context.shadow(ctx.underlying)  # inproc needs the same context; a sync view of it
         self.zap: zmq.Socket | None = None
-        self.monitors: dict[zmq.Socket, str] = {}
+        self.monitors: dict[zmq.Socket, str] = {}  # the guard thread's PAIR -> the address it reports
+        self.watched: set[zmq.Socket] = set()  # the owners' sockets whose handshakes are monitored
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.num_refused = 0
@@ -155,6 +157,14 @@ class Guard:
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(endpoint)
         self.monitors[pair] = address
+        self.watched.add(sock)
+
+    def unwatch(self, sock: zmq.Socket) -> None:
+        """Stop monitoring `sock`, from the thread that owns it, before closing it. The guard's own
+        thread cannot: a libzmq socket is not thread-safe. Its PAIR is closed by `stop`."""
+        if sock in self.watched:
+            self.watched.discard(sock)
+            sock.disable_monitor()
 
     def stop(self) -> None:
         self.stopping.set()

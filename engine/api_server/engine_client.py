@@ -84,6 +84,8 @@ class EngineClient(ClientBase):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if self._sock is not None:
+            if self._guard is not None:
+                self._guard.unwatch(self._sock)
             self._sock.close()
             if self._guard is not None:
                 self._guard.stop()

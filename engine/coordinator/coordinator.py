@@ -105,6 +105,9 @@ class Coordinator:
             self.waves.send(encoder.encode(msg))
 
     def close(self) -> None:
+        for sock in (self.input, self.output, self.waves):
+            if sock is not None:
+                self.guard.unwatch(sock)
         self.input.close(linger=0)
         self.output.close()
         if self.waves is not None:

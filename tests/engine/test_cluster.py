@@ -80,6 +80,29 @@ def test_only_the_secret_gets_through_and_strangers_are_logged(guarded):
              timeout=30, what="the strangers' retries counted, and not logged again")
 
 
+def test_an_unwatched_socket_reports_no_more_handshakes_and_the_zap_still_refuses(guarded):
+    """What an owner does before closing a watched socket: its monitor is off, stopped on the owner's thread."""
+    server, client, guard, logs = guarded
+    guard.unwatch(server)
+    stranger = client("another-secret")  # refused by its handshake, which only the monitor saw
+    watch = cluster.HandshakeWatch(stranger, "tcp://head")
+    client(keys=zmq.curve_keypair()).send(b"knows the server key only")  # refused by the ZAP handler
+    stranger.send(b"order from a stranger")
+
+    def refused_five_times() -> bool:
+        try:
+            watch.check()
+        except cluster.NoSecret:
+            return True
+        return False
+
+    wait_for(refused_five_times, timeout=30, what="the stranger's handshake refused five times")
+    watch.close()
+    wait_for(lambda: guard.num_refused, timeout=30, what="the ZAP handler refusing the unknown key")
+    assert received(server, timeout_ms=100) == []
+    assert {e["reason"] for e in logs if e["event"] == "refused a peer"} == {"its key is not this cluster's"}
+
+
 def test_a_client_learns_that_the_server_refuses_its_handshake(guarded):
     server, client, guard, logs = guarded
     sock = client("another-secret")

@@ -41,7 +41,9 @@ def test_a_core_waiting_for_its_workers_keeps_its_requests(tiny_model):
         # the two ranks share them, and dp0's held ones are checked below
         mid_stream(streams, "the kill of worker-dp0")
         d.kill("worker-dp0")
-        wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the core never noticed its worker died")
+        # a core notices a dead worker of its own node at its next step: dp0 must hold streams now
+        wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the core never noticed its worker died",
+                 now=d.log_tails)
         held = health()["dp_ranks"]["0"]["num_in_flight"]  # frozen from here: dp0 has no worker
         assert held and streams.running(), f"dp0's streams ({held} left) ended before the fault"
 
