@@ -131,7 +131,6 @@ class Guard:
         self.ctx = zmq.Context.shadow(ctx.underlying)  # inproc needs the same context; a sync view of it
         self.zap: zmq.Socket | None = None
         self.monitors: dict[zmq.Socket, str] = {}  # the guard thread's PAIR -> the address it reports
-        self.watched: set[zmq.Socket] = set()  # the owners' sockets whose handshakes are monitored
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.num_refused = 0
@@ -157,14 +156,12 @@ class Guard:
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(endpoint)
         self.monitors[pair] = address
-        self.watched.add(sock)
 
     def unwatch(self, sock: zmq.Socket) -> None:
         """Stop monitoring `sock`, from the thread that owns it, before closing it. The guard's own
-        thread cannot: a libzmq socket is not thread-safe. Its PAIR is closed by `stop`."""
-        if sock in self.watched:
-            self.watched.discard(sock)
-            sock.disable_monitor()
+        thread cannot: a libzmq socket is not thread-safe. Its PAIR is closed by `stop`. A socket that
+        `watch` left alone (not tcp://) has no monitor to stop: nothing happens."""
+        sock.disable_monitor()
 
     def stop(self) -> None:
         self.stopping.set()

@@ -91,7 +91,7 @@ class Worker:
         with contextlib.closing(ProgressReporter("loading weights", log)) as progress:
             model = load_model(cfg.model, self.groups, config=model_config, progress=progress,
                                linear_dtype=cfg.linear_dtype)
-        kv_dtype = getattr(torch, cfg.kv_cache_dtype) if cfg.kv_cache_dtype else model.dtype
+        kv_dtype = getattr(torch, cfg.kv_cache_dtype) if cfg.kv_cache_dtype else None  # None: the model's
         self.runner = ModelRunner(model, self.groups, cfg.block_size, eos_token_ids(cfg.model), kv_dtype)
         if cfg.device == "cpu":
             cpu_extension.load()  # built on first use on this machine: here, not inside a step

@@ -96,8 +96,10 @@ def test_an_unwatched_socket_reports_no_more_handshakes_and_the_zap_still_refuse
             return True
         return False
 
-    wait_for(refused_five_times, timeout=30, what="the stranger's handshake refused five times")
-    watch.close()
+    try:  # the watch's monitor closed whatever happens, or the fixture's ctx.term() waits for it for good
+        wait_for(refused_five_times, timeout=30, what="the stranger's handshake refused five times")
+    finally:
+        watch.close()
     wait_for(lambda: guard.num_refused, timeout=30, what="the ZAP handler refusing the unknown key")
     assert received(server, timeout_ms=100) == []
     assert {e["reason"] for e in logs if e["event"] == "refused a peer"} == {"its key is not this cluster's"}
