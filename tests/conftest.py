@@ -17,9 +17,14 @@ import os
 import time
 from pathlib import Path
 
-import psutil
-import pytest
-import torch
+# Two xdist workers, and the processes their tests start, share the cores. An OpenMP thread that spins
+# while it waits (libgomp's default) takes a core from another process at work; a passive one sleeps. It
+# is read when libgomp loads, so it is set before torch is imported here, and every child inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
 SHM = Path("/dev/shm")
