@@ -3,7 +3,7 @@ results into REPORT.md and its plots. Speed is never asserted here: only that ea
 writes its JSON with the keys the report reads, and leaves no process behind.
 
 The benches write into a temporary directory (VSUP_BENCH_RESULTS), never into bench/results.
-They run three at a time (most of their time is process start-up, model loading and waiting).
+They run two at a time (most of their time is process start-up, model loading and waiting).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 TAG_ENV = "VSUP_BENCH_SMOKE_TAG"
 
-# bench -> the top-level keys of its JSON that report.py reads (longest first: they run three at a time)
+# bench -> the top-level keys of its JSON that report.py reads (longest first: they run two at a time)
 BENCHES = {
     "api_server": ["serving", "claim", "latency", "vllm"],
     "engine_core": ["throughput", "step_overhead", "ring_round_trip", "multiprocess"],
@@ -41,8 +41,10 @@ SECTIONS = ["## Conditions", "## Serving", "## Engine overhead", "## The seed's 
             "## Scaling", "## Structured outputs", "## Against the goals", "## Missing inputs"]
 PNGS = ["serving_throughput.png", "serving_latency.png", "engine_throughput.png", "decode_step.png", "overhead.png",
         "claim.png", "supervisor.png", "scaling.png"]
-PARALLEL = 3
-TIMEOUT_S = 300
+PARALLEL = 2  # beside the other xdist worker: more would only share the same two cores
+TIMEOUT_S = 600  # a bench past it gets SIGTERM (its Children stop what it started), then SIGKILL after GRACE_S
+GRACE_S = 60  # more than the 30 s a bench gives its own children
+SMOKE_TIMEOUT_S = 2400  # pytest-timeout's, for the test that runs the fixture: each bench has TIMEOUT_S already
 
 
 def tagged(tag: str) -> list[psutil.Process]:
@@ -93,8 +95,7 @@ def smoke(tmp_path_factory):
             time.sleep(0.2)
             for name, (proc, log, started) in list(running.items()):
                 if proc.poll() is None and time.monotonic() - started > TIMEOUT_S:
-                    proc.kill()
-                    proc.wait()
+                    end(proc)
                 if proc.poll() is not None:
                     log.close()
                     done[name] = (proc.returncode, (logs / f"{name}.log").read_text(errors="replace"),
@@ -102,8 +103,7 @@ def smoke(tmp_path_factory):
                     del running[name]
     finally:
         for proc, log, _ in running.values():
-            proc.kill()
-            proc.wait()
+            end(proc)
             log.close()
     leftovers = wait_gone(tag)
     report = subprocess.run([sys.executable, str(BENCH / "report.py"), "--results-dir", str(results)], cwd=REPO,
@@ -112,11 +112,21 @@ def smoke(tmp_path_factory):
             "bench_results_touched": sorted(set(stamps().items()) - set(before.items()))}
 
 
+def end(proc: subprocess.Popen) -> None:
+    """SIGTERM, so that the bench stops the servers it started; SIGKILL if it has not exited after GRACE_S."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def stamps() -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*")} if (BENCH / "results").is_dir() else {}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(SMOKE_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(BENCHES))
 def test_bench_smoke_runs_and_writes_its_results(smoke, name):
     code, output, seconds = smoke["runs"][name]
@@ -132,13 +142,13 @@ def test_bench_smoke_runs_and_writes_its_results(smoke, name):
         assert key in conditions, f"{path.name}: conditions lack {key}"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(SMOKE_TIMEOUT_S)
 def test_benches_leave_no_process_behind_and_bench_results_alone(smoke):
     assert not smoke["leftovers"], f"processes the benches left running: {smoke['leftovers']}"
     assert not smoke["bench_results_touched"], f"smoke runs wrote into bench/results: {smoke['bench_results_touched']}"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(SMOKE_TIMEOUT_S)
 def test_report_has_every_section_and_plot(smoke):
     report = smoke["report"]
     assert report.returncode == 0, report.stdout + report.stderr
