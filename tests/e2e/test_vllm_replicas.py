@@ -18,12 +18,12 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.vllm_served import fault_free, in_flight, plan_names, running, serve_vllm, tree_pids
+from tests.e2e.vllm_served import START_S, fault_free, in_flight, plan_names, running, serve_vllm, tree_pids
 from tests.polling import wait_for
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, half as much
 # again on a loaded one): the default 300 s per test is too tight
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(2 * START_S)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def reference(replicas):
     return fault_free(replicas.client, 16, N)
 
 
-@pytest.mark.timeout(900)  # it carries the module's start of two trees, and waits for each killed tree's restart
+@pytest.mark.timeout(3 * START_S)  # the module's start of two trees, and each killed tree's restart
 def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, reference):
     """16 greedy streams, chat and completions, over both trees; then kill -9 of replica 0's worker under
     16 new streams. The dead tree's streams go on on the other tree within seconds (one replica makes them
@@ -75,7 +75,7 @@ def test_kill_9_in_one_replica_moves_its_streams_to_the_other_at_once(replicas, 
     os.kill(pids[VICTIM], signal.SIGKILL)
     assert all(o is None for o in outcomes) and all(0 < c < N for c in at_kill), at_kill  # mid-stream
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=START_S)
     assert outcomes == reference
     assert resumed(replicas) >= 4, "the kill hit no stream: replica 0 held none"  # the front splits them 8/8
     # every stream went on within seconds of the kill: none waited for the dead tree's restart
@@ -119,13 +119,13 @@ def test_a_rolling_restart_loses_no_request_and_always_serves(replicas, referenc
         assert result.returncode == 0 and "rolling restart of vllm r0, vllm r1" in result.stdout, result.stderr
         assert all(o is None for o in outcomes)  # it began with every stream in flight
         for t in threads:
-            t.join(timeout=300)
+            t.join(timeout=START_S)
         assert outcomes == reference
         while_rolling = in_flight(replicas.client, 4, N)  # requests that come during the roll
         lines = wait_for(lambda: (o := replicas.vsup("logs", "--role", "supervisor", "--json").stdout)
                          and "rolling restart done" in o and o, timeout=400, what="the rolling restart done")
         for t in while_rolling[0]:
-            t.join(timeout=300)
+            t.join(timeout=START_S)
         assert all(isinstance(o, str) and o for o in while_rolling[1]), while_rolling[1]
     finally:
         done.set()

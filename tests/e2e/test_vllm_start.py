@@ -14,11 +14,11 @@ import pytest
 
 from tests.conftest import build_checkpoint, held_shm
 from tests.e2e.served import VSUP
-from tests.e2e.vllm_served import NATIVE, plan_names, running, serve_vllm, tree_pids
+from tests.e2e.vllm_served import NATIVE, START_S, plan_names, running, serve_vllm, tree_pids
 from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
 
-pytestmark = pytest.mark.timeout(600)  # a vLLM tree takes 30-50 s to start on two cores, more when loaded
+pytestmark = pytest.mark.timeout(2 * START_S)  # a vLLM tree takes 30-50 s to start on two cores, more if loaded
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_tp2_tree_is_the_plan_and_kill_9_of_vsup_leaves_nothing(vllm_bin, vllm_m
     s = serve_vllm(tmp_path, vllm_model, "-tp", "2", name="vllm-tp2",
                    env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker_TP1|{NATIVE}"})
     try:
-        state = s.wait_serving(timeout=300)
+        state = s.wait_serving(timeout=START_S)
         assert [p["name"] for p in state["processes"]] == plan_names("-tp", "2")
         lines = wait_for(lambda: (o := s.vsup("logs", "--role", "worker", "--tp", "1", "--json").stdout)
                          and NATIVE in o and o, timeout=60, what="worker tp1's native line")

@@ -24,6 +24,11 @@ def vllm_bin_or_skip() -> str:
     return str(PROJECT_VENV_BIN)
 
 
+# How long a test waits for a vLLM tree to start, or to start again and finish what it resumed: 30-50 s on two
+# idle cores, minutes while the other xdist worker is busy, and up to eight times that on a slow CI machine
+START_S = 600
+
+
 def serve_vllm(home, model, *flags, name="vllm", env=None):
     """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault. The
     tests restart a tree every minute or so, which the default backoff would make wait up to 30 s each."""
@@ -51,11 +56,11 @@ def serve_default_model(home):
     engine core that dies on POISON. Quick to notice a death or a hang, and never out of restarts."""
     from engine.model.default_model import default_model_dir
 
-    s = serve_vllm(home, str(default_model_dir()), "--health-timeout", "10", "--hang-timeout", "8",
+    s = serve_vllm(home, str(default_model_dir()), "--health-timeout", "30", "--hang-timeout", "15",
                    "--max-resumes", "1", "--max-restarts", "20",
                    env={"VSUP_HOOK_TEST_FD2": f"VLLM::Worker|{NATIVE}",
                         "VSUP_HOOK_TEST_POISON": ",".join(map(str, POISON))})
-    s.wait_serving(timeout=300)
+    s.wait_serving(timeout=START_S)
     return s
 
 
