@@ -3,6 +3,7 @@ multiprocess (API server, engine core, worker) and in-process mode."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -30,7 +31,7 @@ def deployment(model_dir, in_process: bool):
     d.start(in_process=in_process)
     try:
         d.wait_ready()
-        yield d, openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=120)
+        yield d, openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=600)
     finally:
         d.stop()
         shutil.rmtree(d.run_dir, ignore_errors=True)
@@ -110,8 +111,8 @@ def test_multibyte_output_streams_exactly_as_it_completes(multiprocess):
 
 
 def wait_idle(url: str) -> str:
-    """The metrics once the core runs nothing (an abort, not an 800-token finish: that takes most of a minute)."""
-    deadline = time.monotonic() + 5
+    """The metrics once the core runs nothing (an abort, not an 800-token finish: that takes minutes)."""
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         metrics = httpx.get(f"{url}/metrics").text
         if 'vsup_num_requests_running{dp_rank="0"} 0.0' in metrics:
@@ -120,8 +121,15 @@ def wait_idle(url: str) -> str:
     raise AssertionError(f"still running:\n{metrics}")
 
 
+def aborted(metrics: str) -> float:
+    """How many requests the core counts as aborted (0 before the first)."""
+    found = re.search(r'^vsup_requests_finished_total\{finish_reason="abort"\} (\S+)$', metrics, re.M)
+    return float(found[1]) if found else 0.0
+
+
 def test_client_disconnect_aborts_the_request_in_the_core(multiprocess):
     server, client = multiprocess
+    before = aborted(wait_idle(server.url))  # an earlier test's client may have given up on a request too
     long = dict(model="smollm2", prompt="Tell me a long story.", max_tokens=800, temperature=0, ignore_eos=True)
     stream = client.completions.create(stream=True, **{k: v for k, v in long.items() if k != "ignore_eos"},
                                        extra_body={"ignore_eos": True})
@@ -129,10 +137,10 @@ def test_client_disconnect_aborts_the_request_in_the_core(multiprocess):
     stream.close()
     metrics = wait_idle(server.url)
     assert 'vsup_kv_cache_usage_perc{dp_rank="0"} 0.0' in metrics
-    assert 'vsup_requests_finished_total{finish_reason="abort"} 1.0' in metrics
+    assert aborted(metrics) == before + 1
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up and closes the connection
         httpx.post(f"{server.url}/v1/completions", json=long, timeout=1.5)
-    assert 'vsup_requests_finished_total{finish_reason="abort"} 2.0' in wait_idle(server.url)
+    assert aborted(wait_idle(server.url)) == before + 2
 
 
 def test_the_api_server_process_never_loads_torch(multiprocess):

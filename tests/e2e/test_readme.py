@@ -50,6 +50,7 @@ def test_console_examples_print_what_the_readme_says(env):
             command
 
 
+@pytest.mark.timeout(900)  # a start of up to 600 s on a slow machine, then the tour
 def test_the_quick_tour_does_what_it_says(env):
     port = str(free_port())
     tour = blocks("sh")[1].replace("8000", port)
@@ -60,9 +61,10 @@ def test_the_quick_tour_does_what_it_says(env):
     serve = subprocess.Popen(["vsup", "serve", "--port", port], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # (--startup-timeout)
         while "serving" not in shell("vsup ps", env).stdout.split("\n")[0]:
-            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
+            assert serve.poll() is None, serve.stdout.read()
+            assert time.monotonic() < deadline, "not serving after 600 s"
             time.sleep(0.5)
         results = {c.split()[0] + (" " + c.split()[1] if c.startswith("vsup") else ""): shell(c, env)
                    for c in commands}
@@ -70,7 +72,7 @@ def test_the_quick_tour_does_what_it_says(env):
     finally:
         if serve.poll() is None:
             serve.terminate()
-        serve.communicate(timeout=120)
+        printed = serve.communicate(timeout=120)[0]
     assert all(r.returncode == 0 for r in results.values()), results
     assert "The capital of France is Paris." in results["curl"].stdout
     assert results["python"].stdout.strip() == "The capital of France is Paris."
@@ -78,4 +80,4 @@ def test_the_quick_tour_does_what_it_says(env):
     worker_lines = results["vsup logs"].stdout.splitlines()
     assert worker_lines and all(line.startswith("worker dp0 pp0 tp0") for line in worker_lines)
     assert results["vsup stop"].stdout.startswith("stopped default")
-    assert serve.returncode == 0
+    assert serve.returncode == 0, printed[-4000:]  # what the supervisor said of its end
