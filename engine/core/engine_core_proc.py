@@ -143,7 +143,7 @@ class EngineCoreProc:
                         self.lose_workers(str(e))
             if self.core.executor is not None and not busy:
                 try:
-                    self.group.check_connections()  # a remote worker lost while idle (a group spanning nodes)
+                    self.group.check()  # a worker lost while idle: found now, not at the next request's step
                 except WorkerGroupFailed as e:
                     self.lose_workers(str(e))
             if self.core.executor is None:

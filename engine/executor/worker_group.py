@@ -65,6 +65,7 @@ class WorkerGroup:
         self.ring: ShmBroadcastWriter | None = None
         self.remote: TcpBroadcastWriter | None = None
         self.monitor: zmq.Socket | None = None  # a group spanning nodes: its workers' connections dropping
+        self.checked_at = 0.0  # when check() last looked at the local workers' pids
 
     def _recv(self, timeout_s: float | None, on_wait: Callable[[], None] | None = None) -> tuple[bytes, object]:
         """The next message of a worker; `on_wait` runs every CHECK_S while none comes."""
@@ -82,7 +83,7 @@ class WorkerGroup:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise WorkerGroupFailed(f"no answer from the workers within {timeout_s} s")
                 self._check_alive()
-                self.check_connections()
+                self._check_connections()
                 if on_wait is not None:
                     on_wait()
                 continue
@@ -141,9 +142,18 @@ class WorkerGroup:
             if dead:
                 raise WorkerGroupFailed(f"{ready.name} (pid {ready.pid}) died")
 
-    def check_connections(self) -> None:
+    def check(self) -> None:
+        """For an idle core: WorkerGroupFailed if a remote worker's connection dropped or, looked at every
+        CHECK_S at most (32 us a worker), a worker of this node died: what its next step would find."""
+        self._check_connections()
+        now = time.monotonic()
+        if now - self.checked_at >= CHECK_S:
+            self.checked_at = now
+            self._check_alive()
+
+    def _check_connections(self) -> None:
         """A group spanning nodes: a worker whose connection dropped (its process or node is gone)
-        fails the group at once, even while no step runs. Cheap; poll `monitor` or call it now and then."""
+        fails the group at once, even while no step runs."""
         if self.monitor is not None and self.monitor.poll(0):
             self.monitor.recv_multipart()
             raise WorkerGroupFailed("a worker's connection dropped (its process or its node is gone)")

@@ -17,7 +17,7 @@ from tests.local_deployment import LocalDeployment, with_test_tokenizer
 from tests.polling import wait_for
 
 HEARTBEAT_TIMEOUT_S = 4.0  # (heartbeats every 1 s: a 2 s timeout ran out once in `make test` on a loaded machine)
-PROMPTS = [f"the {i} way" for i in range(6)]
+PROMPTS = [f"the {i} way" for i in range(12)]  # (6 each way: with 3, dp0's once ended before the kill)
 LONG = 480  # of the tiny model's 512 positions
 
 
@@ -41,7 +41,7 @@ def test_a_core_waiting_for_its_workers_keeps_its_requests(tiny_model):
         # the two ranks share them, and dp0's held ones are checked below
         mid_stream(streams, "the kill of worker-dp0")
         d.kill("worker-dp0")
-        # a core notices a dead worker of its own node at its next step: dp0 must hold streams now
+        # a core notices a dead worker of its own node at its next step, or within a second when idle
         wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the core never noticed its worker died",
                  now=d.log_tails)
         held = health()["dp_ranks"]["0"]["num_in_flight"]  # frozen from here: dp0 has no worker
@@ -57,6 +57,29 @@ def test_a_core_waiting_for_its_workers_keeps_its_requests(tiny_model):
         d.start_worker(0)
         assert streams.texts() == reference
         assert "moving its requests" not in d.log("a0")
+    finally:
+        codes = d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert all(code == 0 for name, code in codes.items() if not name.startswith("replaced")), list(codes.items())
+
+
+def test_an_idle_core_notices_its_dead_worker_and_serves_with_the_next(tiny_model):
+    """No request to step: the core still finds its worker's death by its pid, and forms the group again
+    with the worker started next (a bare engine, with no supervisor to tell it)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="vsup-"))
+    model = with_test_tokenizer(tiny_model("llama_tied"), run_dir / "model")
+    d = LocalDeployment(model, run_dir, served_model_name="tiny", max_model_len=512)
+    try:
+        d.start()
+        d.wait_ready()
+        client = openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=120)
+        reference = complete_all(client, PROMPTS[:2], n=16)  # (ended: the core has nothing to step)
+        d.kill("worker-dp0")
+        wait_for(lambda: "worker group lost" in d.log("core-dp0"), 30, "the idle core never noticed its worker died",
+                 now=d.log_tails)
+        d.start_worker(0)
+        wait_for(lambda: "worker group back" in d.log("core-dp0"), 60, "the group formed again", now=d.log_tails)
+        assert complete_all(client, PROMPTS[:2], n=16) == reference
     finally:
         codes = d.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
