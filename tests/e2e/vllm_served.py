@@ -25,7 +25,7 @@ def vllm_bin_or_skip() -> str:
 
 
 # How long a test waits for a vLLM tree to start, or to start again and finish what it resumed: 30-50 s on two
-# idle cores, minutes while the other xdist worker is busy, and up to eight times that on a slow CI machine
+# idle cores, 260 s for the first start with the suite held to half a core (a machine four times as slow)
 START_S = 600
 
 

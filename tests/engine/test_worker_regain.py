@@ -17,7 +17,7 @@ from tests.local_deployment import LocalDeployment, with_test_tokenizer
 from tests.polling import wait_for
 
 HEARTBEAT_TIMEOUT_S = 4.0  # (heartbeats every 1 s: a 2 s timeout ran out once in `make test` on a loaded machine)
-PROMPTS = [f"the {i} way" for i in range(12)]  # (6 each way: with 3, dp0's once ended before the kill)
+PROMPTS = [f"the {i} way" for i in range(12)]  # (about 6 a rank: with 3, dp0's once ended before the kill)
 LONG = 480  # of the tiny model's 512 positions
 
 
