@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ import psutil
 import pytest
 
 from tests.local_deployment import LocalDeployment
+from tests.polling import wait_for
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 JAPANESE = [{"role": "user", "content": "Translate 'thank you' into Japanese."}]
@@ -112,13 +112,10 @@ def test_multibyte_output_streams_exactly_as_it_completes(multiprocess):
 
 def wait_idle(url: str) -> str:
     """The metrics once the core runs nothing (an abort, not an 800-token finish: that takes minutes)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def idle():
         metrics = httpx.get(f"{url}/metrics").text
-        if 'vsup_num_requests_running{dp_rank="0"} 0.0' in metrics:
-            return metrics
-        time.sleep(0.1)
-    raise AssertionError(f"still running:\n{metrics}")
+        return metrics if 'vsup_num_requests_running{dp_rank="0"} 0.0' in metrics else None
+    return wait_for(idle, timeout=60, what="the core idle", now=lambda: httpx.get(f"{url}/metrics").text)
 
 
 def aborted(metrics: str) -> float:

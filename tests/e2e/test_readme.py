@@ -6,12 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.local_deployment import free_port
+from tests.polling import wait_for
 
 README = Path(__file__).parents[2] / "README.md"
 BIN = str(Path(sys.executable).parent)
@@ -60,12 +60,13 @@ def test_the_quick_tour_does_what_it_says(env):
     commands[python:end + 1] = ["\n".join(commands[python:end + 1])]
     serve = subprocess.Popen(["vsup", "serve", "--port", port], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
+
+    def serving():
+        assert serve.poll() is None, serve.stdout.read()
+        return "serving" in shell("vsup ps", env).stdout.split("\n")[0]
+
     try:
-        deadline = time.monotonic() + 600  # (--startup-timeout)
-        while "serving" not in shell("vsup ps", env).stdout.split("\n")[0]:
-            assert serve.poll() is None, serve.stdout.read()
-            assert time.monotonic() < deadline, "not serving after 600 s"
-            time.sleep(0.5)
+        wait_for(serving, timeout=600, what="vsup serve serving (its --startup-timeout is 600 s)", interval=0.5)
         results = {c.split()[0] + (" " + c.split()[1] if c.startswith("vsup") else ""): shell(c, env)
                    for c in commands}
         serve.wait(timeout=60)  # `vsup stop` returned: the supervisor is on its way out
