@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +31,30 @@ LAYERS = [  # bottom first; a module belongs to the entry that is the longest pr
     ["engine.core", "engine.coordinator", "engine.api_server"],  # the three roles above the workers
 ]
 
+# vsup's floors, bottom first, the same way: a leaf never reaches up into the supervisor or the CLI
+VSUP_LAYERS = [
+    # names, spellings and parsers that everything uses
+    ["vsup.errors", "vsup.roles", "vsup.exits", "vsup.sizes", "vsup.cpulist", "vsup.addresses", "vsup.unix_http",
+     "vsup.serve_flags", "vsup.shm_sweep"],
+    ["vsup.procfs", "vsup.rundir", "vsup.model_shape", "vsup.log_query"],  # what a process, a run dir, a model is
+    ["vsup.topology", "vsup.memory", "vsup.model_dir"],                   # the plan, pure
+    ["vsup.placement"],
+    ["vsup.devices"],
+    ["vsup.diagnosis", "vsup.printer"],
+    ["vsup.vllm"],                                                         # a stock vLLM's flags, names and hook
+    ["vsup.supervisor", "vsup.front"],                                     # the two long-running parts
+    ["vsup.cli"],
+    ["vsup.__main__"],
+]
+
 # in-process mode (--no-multiprocessing) runs the engine core inside the API server: its one reach into
 # the core, made inside a function, so that an API server of its own process never loads it
 EXCEPTIONS = {("engine.api_server.inproc_client", "engine.core.setup")}
 
 
-def entry_of(module: str) -> tuple[int, str]:
-    """(layer, entry) of a module of the engine."""
-    found = [(len(e), i, e) for i, layer in enumerate(LAYERS) for e in layer
+def entry_of(module: str, layers: list = LAYERS) -> tuple[int, str]:
+    """(layer, entry) of a module of the engine (or of vsup, with VSUP_LAYERS)."""
+    found = [(len(e), i, e) for i, layer in enumerate(layers) for e in layer
              if module == e or module.startswith(e + ".")]
     assert found, f"{module} is in no layer of tests/test_layers.py: add it there"
     _, i, e = max(found)
@@ -67,9 +85,9 @@ def imports(path: Path, name: str):
                 yield f"{base}.{alias.name}", node.lineno, id(node) in top
 
 
-def resolved(target: str) -> str | None:
-    """The engine module that `target` names (the longest existing prefix), or None outside the engine."""
-    if target != "engine" and not target.startswith("engine."):
+def resolved(target: str, package: str = "engine") -> str | None:
+    """The module of `package` that `target` names (the longest existing prefix), or None outside it."""
+    if target != package and not target.startswith(package + "."):
         return None
     parts = target.split(".")
     while parts:
@@ -81,17 +99,18 @@ def resolved(target: str) -> str | None:
     return None
 
 
-def test_no_engine_import_runs_up_a_layer_or_across_to_a_sibling():
+@pytest.mark.parametrize("package,layers", [("engine", LAYERS), ("vsup", VSUP_LAYERS)])
+def test_no_import_runs_up_a_layer_or_across_to_a_sibling(package, layers):
     wrong = set()
-    for name, path in modules("engine"):
-        if name == "engine":
+    for name, path in modules(package):
+        if name == package:
             continue
-        layer, entry = entry_of(name)
+        layer, entry = entry_of(name, layers)
         for target, line, top_level in imports(path, name):
-            module = resolved(target)
-            if module is None or module == "engine":
+            module = resolved(target, package)
+            if module is None or module == package:
                 continue
-            their_layer, their_entry = entry_of(module)
+            their_layer, their_entry = entry_of(module, layers)
             if (name, module) in EXCEPTIONS and not top_level:
                 continue
             if their_layer > layer or (their_layer == layer and their_entry != entry):
@@ -141,8 +160,9 @@ def test_an_api_server_of_its_own_process_loads_no_engine_core_worker_or_torch(t
     assert built == "True" and loaded == "", f"the API server loaded: {loaded}"
 
 
-def test_the_architecture_doc_shows_these_layers():
+@pytest.mark.parametrize("marker,layers", [("layers", LAYERS), ("vsup layers", VSUP_LAYERS)])
+def test_the_architecture_doc_shows_these_layers(marker, layers):
     doc = (REPO / "docs" / "ARCHITECTURE.md").read_text()
-    block = doc.split("<!-- layers: generated from tests/test_layers.py -->\n```\n")[1].split("```")[0]
-    assert block.splitlines() == [" | ".join(layer) for layer in reversed(LAYERS)], \
-        "docs/ARCHITECTURE.md's layers differ from LAYERS here: write them there as they are here"
+    block = doc.split(f"<!-- {marker}: generated from tests/test_layers.py -->\n```\n")[1].split("```")[0]
+    assert block.splitlines() == [" | ".join(layer) for layer in reversed(layers)], \
+        "docs/ARCHITECTURE.md's layers differ from tests/test_layers.py: write them there as they are here"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vsup.supervisor.child import describe_exit
+from vsup.exits import describe_exit
 
 
 def _stat_fields(pid: int) -> list[str]:

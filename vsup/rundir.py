@@ -131,6 +131,12 @@ class RunDir:
         self.metrics_dir.mkdir(mode=0o700)
         os.chmod(self.metrics_dir, 0o700)
 
+    def remove_sockets(self) -> None:
+        """At the stop: the sockets and rendezvous files that the tree left here."""
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(".sock") or "-dist-" in entry.name:
+                os.unlink(entry.path)
+
     def write_state(self, state: dict) -> None:
         """Atomically replace state.json (0600): a reader sees the old or the new, never half."""
         tmp = self.state_file.with_suffix(".json.tmp")

@@ -117,6 +117,31 @@ class Served:
             self.proc.communicate()
 
 
+def kill_until_it_gives_up(s: Served, name: str, timeout: float) -> tuple[int, str, str, list[int]]:
+    """kill -9 of process `name` each time ps shows it ready again, until `vsup serve` gives up; (exit code,
+    stdout, stderr, the pids killed)."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout
+    while s.proc.poll() is None and time.monotonic() < deadline:
+        state = s.ps()
+        row = next((p for p in state["processes"] if p["name"] == name), None) if state else None
+        if row and row["pid"] and row["state"] == "ready" and row["pid"] not in killed:
+            os.kill(row["pid"], signal.SIGKILL)
+            killed.append(row["pid"])
+        time.sleep(0.1)
+    out, err = s.proc.communicate(timeout=120)
+    return s.proc.returncode, out, err, killed
+
+
+def assert_gave_up(err: str, first_line: str) -> None:
+    """What `vsup serve` says when a unit gives up: the unit and why, then up to 10 indented lines of its
+    last stderr (or that there was none), and no traceback."""
+    lines = err.splitlines()
+    assert lines and lines[0] == f"vsup serve: {first_line}", err
+    assert 1 <= len(lines) - 1 <= 10 and all(line.startswith("    ") for line in lines[1:]), err
+    assert "Traceback" not in err
+
+
 def complete(client, prompt, n=24, stream=True):
     """Greedy, ignore_eos: the same prompt gives the same text on every healthy deployment."""
     kwargs = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})

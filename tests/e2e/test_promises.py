@@ -23,7 +23,8 @@ import psutil
 import pytest
 
 from tests.conftest import held_shm
-from tests.e2e.served import VSUP, Served, Streams, complete, complete_all, mid_stream
+from tests.e2e.served import (VSUP, Served, Streams, assert_gave_up, complete, complete_all, kill_until_it_gives_up,
+                              mid_stream)
 from tests.polling import wait_for
 
 LONG = 200  # tokens a stream that a fault must hit: the tiny model makes 48 in half a second
@@ -299,6 +300,19 @@ def test_a_rank_past_max_restarts_is_marked_failed_and_routed_around(serve):
     assert complete_all(s.client, prompts) == reference  # dp0 serves them all
     assert s.ps()["supervisor"]["state"] == "serving"
     assert s.stop()[0] == 0
+
+
+def test_a_worker_killed_each_time_it_is_back_gives_up_naming_its_unit_and_leaves_nothing(serve):
+    """With one DP rank, a worker group past --max-restarts leaves nothing to serve: `vsup serve` exits 1,
+    saying which unit gave up and why, quoting its last stderr, with every process gone."""
+    s = serve("--max-restarts", "2")
+    s.wait_serving()
+    before = s.pids()
+    code, _, err, killed = kill_until_it_gives_up(s, "worker dp0 pp0 tp0", timeout=300)
+    assert code == 1 and len(killed) == 3, (code, killed, err)
+    assert_gave_up(err, "worker-group dp0 gave up: 2 restarts within 300 s (last exit: worker dp0 pp0 tp0 "
+                        "signal 9 (SIGKILL))")
+    assert gone([*before.values(), *killed])
 
 
 def test_restart_of_a_worker_by_hand_drains_first_and_loses_nothing(serve):

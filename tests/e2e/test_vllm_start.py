@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_checkpoint, held_shm
-from tests.e2e.served import VSUP
+from tests.e2e.served import VSUP, assert_gave_up, kill_until_it_gives_up
 from tests.e2e.vllm_served import NATIVE, START_S, plan_names, running, serve_vllm, tree_pids
 from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
@@ -72,6 +72,18 @@ def test_a_vllm_that_dies_at_start_up_gives_up_quoting_its_error(vllm_bin, vllm_
     logged = [json.loads(line) for line in s.vsup("logs", "--role", "supervisor", "--json").stdout.splitlines()]
     assert any(r["event"] == "removed what an earlier run left in /dev/shm" and r["entries"] == [left.name]
                for r in logged), logged
+
+
+def test_a_front_killed_each_time_it_is_back_gives_up_and_leaves_nothing(vllm_bin, vllm_model, tmp_path):
+    """vsup's front holds the port: past --max-restarts nothing holds it any more, so `vsup serve` exits 1
+    saying that the front gave up and why (it crashed with a TypeError once), and the tree goes with it."""
+    s = serve_vllm(tmp_path, vllm_model, "--max-restarts", "2", name="vllm-front")
+    tree = tree_pids(s.wait_serving(timeout=START_S))
+    code, _, err, killed = kill_until_it_gives_up(s, "front", timeout=START_S)
+    assert code == 1 and len(killed) == 3, (code, killed, err)
+    assert_gave_up(err, "front gave up: 2 restarts within 300 s (last exit: signal 9 (SIGKILL))")
+    wait_for(lambda: not [pid for pid in [*tree.values(), *killed] if running(pid)], timeout=30,
+             what="the tree and every front gone")
 
 
 def test_bad_vllm_flags_exit_2_before_anything_starts(vllm_bin, vllm_model, tmp_path):

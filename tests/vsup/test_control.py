@@ -10,6 +10,7 @@ import time
 import pytest
 
 from vsup.supervisor import control
+from vsup.supervisor.loop import Loop
 
 
 class Supervisor:
@@ -27,9 +28,11 @@ class Supervisor:
 
 @pytest.fixture
 def server(tmp_path):
-    s = control.ControlServer(str(tmp_path / "control.sock"), Supervisor())
+    loop = Loop(on_item=lambda item: None)
+    s = control.ControlServer(str(tmp_path / "control.sock"), Supervisor(), loop)
     yield s
     s.close()
+    loop.close()
 
 
 def ask(server, data: bytes, pause: float = 0.0) -> dict | None:
@@ -52,8 +55,7 @@ def ask(server, data: bytes, pause: float = 0.0) -> dict | None:
     thread.start()
     deadline = time.monotonic() + 10
     while thread.is_alive() and time.monotonic() < deadline:
-        server.accept()
-        time.sleep(0.01)
+        server.loop.once(0.01)
     thread.join()
     return answer[0] if answer else None
 
@@ -79,7 +81,7 @@ def test_an_endless_request_is_cut_at_the_size_limit(server):
     assert "longer than" in server.supervisor.logged[0][2]["error"]
 
 
-def test_a_trickling_client_holds_the_supervisor_up_for_one_timeout_in_all(server, monkeypatch):
+def test_a_trickling_client_holds_nothing_up_and_is_cut_at_the_timeout(server, monkeypatch):
     monkeypatch.setattr(control, "REQUEST_TIMEOUT_S", 0.5)
     sent = []
 
@@ -97,9 +99,13 @@ def test_a_trickling_client_holds_the_supervisor_up_for_one_timeout_in_all(serve
     thread = threading.Thread(target=trickle)
     thread.start()
     deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        server.loop.once(0.01)
+    started = time.monotonic()
+    assert ask(server, b'{"cmd": "ps"}\n')["supervisor"] == {"state": "serving"}  # answered meanwhile
+    assert time.monotonic() - started < 0.4 and not server.supervisor.logged
     while not server.supervisor.logged and time.monotonic() < deadline:
-        server.accept()  # (returns at once until the client has connected)
-        time.sleep(0.01)
+        server.loop.once(0.01)
     assert "no whole line within 0.5 s" in server.supervisor.logged[0][2]["error"]
     thread.join()
     assert len(sent) < 300  # hung up on mid-trickle: the supervisor went on without waiting for it

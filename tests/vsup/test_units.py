@@ -23,10 +23,25 @@ def test_a_worker_restarts_its_group_and_a_core_brings_its_group_along():
 
 
 def test_what_is_left_serves_while_one_api_server_and_one_whole_rank_are():
-    specs = list(plan(ParallelConfig(data_parallel_size=2)).processes)
-    assert can_serve(specs, {UnitId.engine_core(0), UnitId.worker_group(1)}) is False
-    assert can_serve(specs, {UnitId.engine_core(0), UnitId.alone("api-server a0")}) is True
-    assert can_serve(specs, {UnitId.alone("api-server a0"), UnitId.alone("api-server a1")}) is False
+    every = units(list(plan(ParallelConfig(data_parallel_size=2)).processes))
+    a0, a1 = UnitId.api_server("api-server a0"), UnitId.api_server("api-server a1")
+    assert can_serve(every, {UnitId.engine_core(0), UnitId.worker_group(1)}) is False
+    assert can_serve(every, {UnitId.engine_core(0), a0}) is True
+    assert can_serve(every, {a0, a1}) is False
+    assert can_serve(every, {UnitId.coordinator()}) is True
+
+
+def test_what_is_left_of_vllm_serves_while_the_front_and_one_tree_are():
+    trees = [UnitId.front(), UnitId.vllm_tree(0), UnitId.vllm_tree(1)]
+    assert can_serve(trees, {UnitId.vllm_tree(0)}) is True
+    assert can_serve(trees, {UnitId.vllm_tree(0), UnitId.vllm_tree(1)}) is False
+    assert can_serve(trees, {UnitId.front()}) is False  # nothing holds --port any more
+
+
+def test_in_process_mode_serves_while_its_api_server_does():
+    alone = units(list(plan(ParallelConfig(multiprocessing=False)).processes))
+    assert alone == [UnitId.api_server("api-server a0")]
+    assert can_serve(alone, set()) is True and can_serve(alone, set(alone)) is False
 
 
 def test_a_vllm_tree_is_spelled_as_before():

@@ -198,7 +198,7 @@ def test_the_tree_is_blamed_on_the_process_whose_end_ended_it(tmp_path):
         core = Observed(pid=os.getpid() if core_alive else gone_too.pid, ppid=root.pid, pidfd=None,
                         name="engine-core dp0", last_exit=core_exit)
         worker = Observed(pid=gone.pid, ppid=core.pid, pidfd=None, name="worker dp0 pp0 tp0", last_exit=worker_exit)
-        tree = Tree(r=None, root=root, unit=None, socket="", dir=tmp_path, plan=None,
+        tree = Tree(r=None, root=root, id=None, socket="", dir=tmp_path, plan=None,
                     procs={core.pid: core, worker.pid: worker})
         (tmp_path / REAP_LOG).write_text(f"{root.pid} 0\nnot a line\n{worker.pid} {reaped}\n" if reaped is not None
                                          else "")

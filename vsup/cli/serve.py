@@ -74,7 +74,7 @@ def serve(
     from vsup.cli.sizing import model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.serve_flags import ServeFlags, engine_args
-    from vsup.supervisor.manager import Options
+    from vsup.supervisor.supervisor import Options
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
     vllm = engine == options.EngineKind.vllm
@@ -97,7 +97,7 @@ def serve(
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
                   port_socket=port_socket)
     if vllm:
-        from vsup.supervisor.vllm_tree import VllmOptions
+        from vsup.supervisor.vllm_units import VllmOptions
         from vsup.vllm.args import check_supported
         from vsup.vllm.launch import FrontFlags, vllm_deployment
 
@@ -161,20 +161,20 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
     """Run the supervisor of the plan (`vllm`: its VllmOptions, for a stock vLLM's trees) until it stops;
     (exit code, message). `run`: the supervisor's Options."""
     from vsup.supervisor.log_router import Console, JsonlWriter, LogRouter
-    from vsup.supervisor.manager import Supervisor
+    from vsup.supervisor.supervisor import Supervisor
 
     console = Console(sys.stdout, log_format)
     console.width = max(len(p.name) for p in the_plan.processes)
     writer = JsonlWriter(run_dir.log_file)
     router = LogRouter([writer.write, console.write], flushes=[writer.flush])
     if vllm is None:
-        supervisor = Supervisor(the_plan, run_dir, run, router)
-    else:
-        from vsup.supervisor.vllm_tree import VllmSupervisor
+        from vsup.supervisor.engine_units import EngineUnits
 
-        supervisor = VllmSupervisor(the_plan, run_dir, run, router, vllm)
-    router.sinks.append(supervisor.on_records)
-    router.on_load = supervisor.on_load
+        supervisor = Supervisor(run_dir, run, router, lambda sup: EngineUnits(sup, the_plan))
+    else:
+        from vsup.supervisor.vllm_units import VllmUnits
+
+        supervisor = Supervisor(run_dir, run, router, lambda sup: VllmUnits(sup, the_plan, vllm))
     router.start()
     try:
         code = supervisor.run()

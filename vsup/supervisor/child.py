@@ -4,34 +4,23 @@ its pipes handed to the log router and its exit seen through a pidfd."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 
-from vsup.supervisor.states import ProcessState
+from vsup.exits import describe_exit
 from vsup.supervisor.units import UnitId
 from vsup.topology import ProcessSpec
-
-
-def describe_exit(returncode: int) -> str:
-    """`exit 1`, `signal 9 (SIGKILL)`: how a process ended, the way ps shows it."""
-    if returncode < 0:
-        try:
-            return f"signal {-returncode} ({signal.Signals(-returncode).name})"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit {returncode}"
 
 
 @dataclass
 class Child:
     spec: ProcessSpec
     unit: UnitId
-    state: ProcessState = ProcessState.PENDING
     popen: subprocess.Popen | None = None
     pidfd: int | None = None
     started_at: float | None = None  # wall clock, for uptime
+    ready: bool = False  # it said so since it last started
     restarts: int = 0
     last_exit: str | None = None
     extra_argv: list[str] = field(default_factory=list)
@@ -48,6 +37,8 @@ class Child:
               ) -> tuple[int, int]:
         """Start the process (`stdin`: a pipe's read end, or none; `pass_fds`: what else it inherits); returns
         the read ends of its stdout and stderr pipes."""
+        if self.popen is not None:
+            self.restarts += 1
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -58,7 +49,7 @@ class Child:
             os.close(out_w)
             os.close(err_w)
         self.pidfd = os.pidfd_open(self.popen.pid)
-        self.state, self.started_at = ProcessState.STARTING, time.time()
+        self.started_at, self.ready = time.time(), False
         return out_r, err_r
 
     def reap(self) -> int:
@@ -70,16 +61,19 @@ class Child:
         self.last_exit = describe_exit(code)
         return code
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int) -> bool:
+        """Whether it was alive to be sent `sig`."""
         if self.alive:
             try:
                 os.kill(self.popen.pid, sig)
+                return True
             except ProcessLookupError:
                 pass
+        return False
 
-    def to_json(self) -> dict:
+    def to_json(self, state: str) -> dict:
         s = self.spec
         return {"name": s.name, "role": s.role, "a": s.a, "dp": s.dp, "pp": s.pp, "tp": s.tp, "node": s.node,
                 "device": s.device, "title": s.title, "unit": str(self.unit), "pid": self.pid if self.alive else None,
-                "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "state": state, "restarts": self.restarts, "last_exit": self.last_exit,
                 "started_at": self.started_at}

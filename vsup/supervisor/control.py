@@ -1,10 +1,11 @@
 """The control socket: `vsup ps`, `stop` and `restart` ask the running supervisor over it.
 
 A Unix stream socket (0600) in the run dir; one JSON request line, one JSON
-answer line per connection. A request that is no JSON object, longer than
-MAX_REQUEST_BYTES or slower than REQUEST_TIMEOUT_S in all is answered with
-an error and logged: the supervisor's one thread, which also restarts the
-processes, must not die of it nor wait on it.
+answer line per connection. Connections are read without blocking, on the
+supervisor's loop (loop.py), so a slow client holds up nothing. A request that
+is no JSON object, longer than MAX_REQUEST_BYTES or slower than
+REQUEST_TIMEOUT_S in all is answered with an error and logged: the
+supervisor must not die of it nor wait on it.
 """
 
 from __future__ import annotations
@@ -25,27 +26,60 @@ REQUEST_TIMEOUT_S = 2.0
 
 
 class ControlServer:
-    def __init__(self, path: str, supervisor):
-        self.path, self.supervisor = path, supervisor
+    def __init__(self, path: str, supervisor, loop):
+        """`supervisor` answers (snapshot, request_stop, request_restart, log); `loop` (loop.Loop) reads."""
+        self.path, self.supervisor, self.loop = path, supervisor, loop
         self.sock = listen_unix(path)
         self.sock.setblocking(False)
         self.procs: dict[int, psutil.Process] = {}
+        self.open: dict[socket.socket, bytearray] = {}
+        loop.watch(self.sock.fileno(), self.accept)
 
     def accept(self) -> None:
         try:
             conn, _ = self.sock.accept()
+        except (BlockingIOError, OSError):
+            return
+        conn.setblocking(False)
+        self.open[conn] = bytearray()
+        self.loop.watch(conn.fileno(), lambda: self.read(conn))
+        self.loop.at(time.monotonic() + REQUEST_TIMEOUT_S, lambda: self.expire(conn))
+
+    def read(self, conn: socket.socket) -> None:
+        data = self.open.get(conn)
+        if data is None:
+            return
+        try:
+            chunk = conn.recv(MAX_REQUEST_BYTES)
         except BlockingIOError:
             return
+        except OSError as e:
+            self.answer(conn, {"error": f"bad request: {e}"})
+            return
+        data += chunk
+        line, newline, _ = bytes(data).partition(b"\n")
+        if len(line) > MAX_REQUEST_BYTES:
+            self.answer(conn, {"error": f"bad request: longer than {MAX_REQUEST_BYTES} bytes"})
+        elif newline or not chunk:
+            try:
+                answer = self.handle(parse_request(line))
+            except (ValueError, RecursionError) as e:
+                answer = {"error": f"bad request: {e}"}
+            self.answer(conn, answer)
+
+    def expire(self, conn: socket.socket) -> None:
+        if conn in self.open:
+            self.answer(conn, {"error": f"bad request: no whole line within {REQUEST_TIMEOUT_S:g} s"})
+
+    def answer(self, conn: socket.socket, answer: dict) -> None:
+        """Send the answer line (what the client's buffer takes at once) and close the connection."""
+        self.open.pop(conn, None)
+        self.loop.forget(conn.fileno())
+        if "error" in answer:
+            self.supervisor.log("dropped malformed message", "warning", socket="control", error=answer["error"][:300])
         with conn:
             try:
-                answer = self.handle(read_request(conn))
-            except (OSError, ValueError, RecursionError) as e:
-                answer = {"error": f"bad request: {e}"}
-            if "error" in answer:
-                self.supervisor.log("dropped malformed message", "warning", socket="control",
-                                    error=answer["error"][:300])
-            try:
-                conn.settimeout(REQUEST_TIMEOUT_S)
+                conn.settimeout(0.2)  # a local reader takes a small answer at once; a stalled one is dropped
                 conn.sendall((json.dumps(answer) + "\n").encode())
             except OSError:
                 pass  # the client went away
@@ -110,27 +144,18 @@ class ControlServer:
                 state["gpu_others"].append({**holder, "cmdline": procfs.cmdline(holder["pid"])})
 
     def close(self) -> None:
+        for conn in list(self.open):
+            self.open.pop(conn)
+            self.loop.forget(conn.fileno())
+            conn.close()
+        self.loop.forget(self.sock.fileno())
         self.sock.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
 
 
-def read_request(conn: socket.socket) -> dict:
-    """The JSON object on the first line `conn` sends (an empty line or none: {})."""
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    data = b""
-    while b"\n" not in data and len(data) <= MAX_REQUEST_BYTES:
-        try:
-            conn.settimeout(max(deadline - time.monotonic(), 1e-3))
-            chunk = conn.recv(MAX_REQUEST_BYTES)
-        except TimeoutError:
-            raise TimeoutError(f"no whole line within {REQUEST_TIMEOUT_S:g} s") from None
-        if not chunk:
-            break
-        data += chunk
-    line = data.split(b"\n", 1)[0]
-    if len(line) > MAX_REQUEST_BYTES:
-        raise ValueError(f"longer than {MAX_REQUEST_BYTES} bytes")
+def parse_request(line: bytes) -> dict:
+    """The JSON object of a request line (an empty line: {})."""
     request = json.loads(line or b"{}")
     if not isinstance(request, dict):
         raise ValueError(f"expected a JSON object, got {type(request).__name__}")

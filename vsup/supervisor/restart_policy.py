@@ -1,9 +1,12 @@
-"""When a unit may start again: exponential backoff and a start limit. Pure; time comes in as numbers."""
+"""When a unit may start again: exponential backoff and a start limit. Pure; time comes in as numbers.
+
+`decide` is the one place where vsup decides to restart a unit, back off, or give up: every kind of unit
+of both engines comes through it (vsup/supervisor/lifecycle.py).
+"""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 POLICIES = ("always", "on-failure", "never")
 
@@ -30,36 +33,39 @@ class RestartPolicy:
         self.initial_s = min(self.initial_s, self.max_s)
 
 
-@dataclass
-class RestartState:
-    """One unit's history: when it restarted, and the backoff it is at."""
+@dataclass(frozen=True)
+class Restarts:
+    """One unit's history: when it restarted after a failure (within the window), the backoff it is
+    at, and every restart in all (those asked for too)."""
 
-    policy: RestartPolicy
-    restarts: deque[float] = field(default_factory=deque)
+    times: tuple[float, ...] = ()
     backoff_s: float = 0.0
     total: int = 0
 
-    def wants_restart(self, exit_code: int | None, requested: bool = False) -> bool:
-        """Whether the policy restarts a unit that exited with `exit_code` (None: killed by a signal)."""
-        if requested:
-            return True
-        if self.policy.policy == "never":
-            return False
-        return self.policy.policy == "always" or exit_code != 0
+    def asked(self) -> Restarts:
+        """A restart asked for (`vsup restart`): it starts at once and counts only in the total."""
+        return replace(self, total=self.total + 1)
 
-    def next_delay(self, now: float, started_at: float, requested: bool = False) -> float | None:
-        """Seconds to wait before the next start, or None when the start limit is reached. A restart asked
-        for (`vsup restart`) starts at once and counts only in the total, never toward the limit."""
-        if requested:
-            self.total += 1
-            return 0.0
-        if now - started_at >= self.policy.reset_after_s:
-            self.backoff_s = 0.0  # it ran healthily for long enough: start over
-        while self.restarts and now - self.restarts[0] > self.policy.window_s:
-            self.restarts.popleft()
-        if len(self.restarts) >= self.policy.max_restarts:
-            return None
-        self.backoff_s = self.policy.initial_s if self.backoff_s == 0 else min(self.backoff_s * 2, self.policy.max_s)
-        self.restarts.append(now)
-        self.total += 1
-        return self.backoff_s
+
+@dataclass(frozen=True)
+class Decision:
+    """What follows an exit that nobody asked for: `delay` seconds until the next start, or none
+    (`why_not` says why: the policy, or the start limit)."""
+
+    restarts: Restarts
+    delay: float | None
+    why_not: str | None = None
+
+
+def decide(policy: RestartPolicy, restarts: Restarts, now: float, started_at: float, failure: bool) -> Decision:
+    """Restart, back off, or give up, for a unit that ran since `started_at` and ended at `now` (`failure`:
+    whether the exit counts as one: a non-zero exit or a signal; with vLLM, any exit vsup did not ask for)."""
+    if policy.policy == "never" or (policy.policy == "on-failure" and not failure):
+        return Decision(restarts, None, f"--restart-policy {policy.policy}")
+    backoff = 0.0 if now - started_at >= policy.reset_after_s else restarts.backoff_s  # it ran long enough
+    times = tuple(t for t in restarts.times if now - t <= policy.window_s)
+    if len(times) >= policy.max_restarts:
+        return Decision(replace(restarts, times=times), None,
+                        f"{policy.max_restarts} restarts within {policy.window_s:g} s")
+    backoff = policy.initial_s if backoff == 0 else min(backoff * 2, policy.max_s)
+    return Decision(Restarts(times + (now,), backoff, restarts.total + 1), backoff)

@@ -1,5 +1,5 @@
-"""The states of a process, a restart unit, a vLLM tree and the whole deployment, as ps and state.json
-spell them (each a str, so state.json and `ps --json` carry the plain word)."""
+"""The states of a process and of the whole deployment, as ps and state.json spell them (each a str, so
+state.json and `ps --json` carry the plain word). A unit's are the phases of lifecycle.py."""
 
 from __future__ import annotations
 
@@ -15,21 +15,6 @@ class ProcessState(StrEnum):
     FAILED = "failed"      # its unit gave up
     STOPPING = "stopping"
     STOPPED = "stopped"
-
-
-class UnitState(StrEnum):
-    RUNNING = "running"
-    BACKOFF = "backoff"
-    FAILED = "failed"
-
-
-class TreeState(StrEnum):
-    """One vLLM tree (a replica)."""
-
-    STARTING = "starting"
-    SERVING = "serving"
-    RESTARTING = "restarting"
-    FAILED = "failed"
 
 
 class DeploymentState(StrEnum):

@@ -3,7 +3,7 @@
 A TP/PP group cannot re-admit one rank (its communicators die with any
 member), so a worker's death restarts its whole worker group; an engine
 core's death restarts the core and its group; the coordinator and each API
-server restart alone.
+server restart alone. A stock vLLM tree is one unit, and vsup's front another.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, ProcessSpec, process_name
+from vsup.topology import API_SERVER, COORDINATOR, ENGINE_CORE, FRONT, WORKER, ProcessSpec, process_name
 
 
 class UnitKind(StrEnum):
     WORKER_GROUP = "worker-group"  # the TP x PP workers of one DP rank
     ENGINE_CORE = "engine-core"    # a core, with its worker group
-    ALONE = "alone"                # one process: an API server, the coordinator, vsup's front
+    API_SERVER = "api-server"      # one API server, alone
+    COORDINATOR = "coordinator"    # the coordinator, alone
+    FRONT = "front"                # vsup's front before the vLLM trees, alone
     VLLM_TREE = "vllm"             # one stock vLLM tree (a replica)
 
 
@@ -41,8 +43,16 @@ class UnitId:
         return cls(UnitKind.ENGINE_CORE, process_name(ENGINE_CORE, dp=dp), dp)
 
     @classmethod
-    def alone(cls, name: str) -> UnitId:
-        return cls(UnitKind.ALONE, name)
+    def api_server(cls, name: str) -> UnitId:
+        return cls(UnitKind.API_SERVER, name)
+
+    @classmethod
+    def coordinator(cls) -> UnitId:
+        return cls(UnitKind.COORDINATOR, COORDINATOR)
+
+    @classmethod
+    def front(cls) -> UnitId:
+        return cls(UnitKind.FRONT, FRONT)
 
     @classmethod
     def vllm_tree(cls, r: int | None) -> UnitId:
@@ -56,7 +66,9 @@ def unit_of(spec: ProcessSpec) -> UnitId:
         return UnitId.worker_group(spec.dp)
     if spec.role == ENGINE_CORE:
         return UnitId.engine_core(spec.dp)
-    return UnitId.alone(spec.name)  # api-server aN, coordinator
+    if spec.role == API_SERVER:
+        return UnitId.api_server(spec.name)
+    return UnitId.coordinator()
 
 
 def members(unit: UnitId, processes: list[ProcessSpec]) -> list[ProcessSpec]:
@@ -76,14 +88,15 @@ def units(processes: list[ProcessSpec]) -> list[UnitId]:
     return list(seen)
 
 
-def dp_ranks_serving(processes: list[ProcessSpec], failed_units: set[UnitId]) -> list[int]:
-    """DP ranks whose engine core and worker group are both still allowed to run."""
-    ranks = sorted({p.dp for p in processes if p.role == ENGINE_CORE})
-    return [r for r in ranks if not {UnitId.engine_core(r), UnitId.worker_group(r)} & failed_units]
-
-
-def can_serve(processes: list[ProcessSpec], failed_units: set[UnitId]) -> bool:
-    """Whether at least one API server and one DP rank are left (in-process mode: the API server)."""
-    has_api = any(p.role == API_SERVER and UnitId.alone(p.name) not in failed_units for p in processes)
-    has_core = any(p.role == ENGINE_CORE for p in processes)
-    return has_api and (not has_core or bool(dp_ranks_serving(processes, failed_units)))
+def can_serve(all_units: list[UnitId], failed: set[UnitId]) -> bool:
+    """Whether what is left can still serve: a way in (an API server, or vsup's front) and a way to
+    generate (a DP rank whose engine core and worker group both stand, or a vLLM tree). In-process mode has
+    no engine core: its API server holds it. A headless node has no way in: any unit it loses ends it."""
+    if not any(u.kind in (UnitKind.API_SERVER, UnitKind.FRONT) and u not in failed for u in all_units):
+        return False
+    trees = [u for u in all_units if u.kind == UnitKind.VLLM_TREE]
+    ranks = sorted({u.dp for u in all_units if u.kind == UnitKind.ENGINE_CORE})
+    if not trees and not ranks:
+        return True
+    return any(t not in failed for t in trees) or \
+        any(UnitId.engine_core(r) not in failed and UnitId.worker_group(r) not in failed for r in ranks)

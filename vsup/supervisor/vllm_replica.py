@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vsup import procfs
-from vsup.supervisor.child import Child, describe_exit
-from vsup.supervisor.manager import Unit
-from vsup.supervisor.states import TreeState
+from vsup.exits import describe_exit
+from vsup.supervisor.child import Child
+from vsup.supervisor.units import UnitId
 from vsup.topology import ENGINE_CORE, FRONT, WORKER, Plan, process_name
 from vsup.vllm import names
 from vsup.vllm.plan import RESOURCE_TRACKER, helper_name
@@ -46,30 +46,24 @@ class Observed:
 
 @dataclass
 class Tree:
-    """One replica: its root (`vllm serve`), its unit, and what vsup knows of it now."""
+    """One replica: its root (`vllm serve`), its unit's id, and what vsup knows of it now (where it stands
+    in its lifecycle is the supervisor's: vllm_units.py)."""
 
     r: int | None  # None when it is the only one
     root: Child
-    unit: Unit
+    id: UnitId
     socket: str  # where its vLLM serves: the front's upstream, and where the supervisor asks /health and /metrics
     dir: Path  # its shm list and TMPDIR note
     plan: Plan
     procs: dict[int, Observed] = field(default_factory=dict)
     gen: int = 0  # the tree's number among every tree started (the front resumes on another one)
-    state: TreeState = TreeState.STARTING
     progress: Progress | None = None
     started_at: float = field(default_factory=time.monotonic)
-    cause: str | None = None  # why it is being ended
-    first_death: tuple | None = None  # (process, when to look): a death not yet attributed
+    first_death: Observed | Child | None = None  # a death seen, not yet attributed (ATTRIBUTION_DELAY_S)
+    deferred: list = field(default_factory=list)  # the pids that ended meanwhile
+    blame: tuple | None = None  # (name, role) of what took it down last
     shm_noted: set = field(default_factory=set)
     by_role: dict = field(default_factory=dict)  # its restarts, by the role whose process died
-    draining_until: float | None = None  # a rolling restart's SIGTERM: its end was asked for
-
-    @property
-    def up(self) -> bool:
-        """Whether the front may send it requests."""
-        return self.state == TreeState.SERVING and self.cause is None and self.first_death is None and \
-            self.draining_until is None
 
     @property
     def alive(self) -> bool:

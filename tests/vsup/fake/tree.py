@@ -5,7 +5,7 @@ import sys
 
 from vsup.cli.serve import supervise
 from vsup.rundir import RunDir
-from vsup.supervisor.manager import Options
+from vsup.supervisor.supervisor import Options
 from vsup.supervisor.restart_policy import RestartPolicy
 from vsup.topology import ParallelConfig, plan
 
