@@ -110,3 +110,13 @@ def test_max_grammar_bytes_reaches_the_api_server_and_the_engine_core():
     core = core_args([*argv, "--worker-address", "a", "--control-address", "b", "--ring-prefix", "c",
                       "--wakeup-address", "d"])
     assert core.max_grammar_bytes == 1234 and core.grammar_compile_timeout == 10.0
+
+
+@given(status=st.sampled_from([400, 401, 404, 405, 413, 422, 429, 500, 502, 503, 504]), message=st.text(max_size=40),
+       param=st.none() | st.sampled_from(["model", "top_p"]), code=st.none() | st.just("model_not_found"))
+def test_the_engine_and_the_front_answer_errors_in_one_shape(status, message, param, code):
+    """Each writes OpenAI's error body itself (neither imports the other): the engine's shape is the one."""
+    from engine.api_server.errors import error_body as engines
+    from vsup.front.errors import error_body as fronts
+
+    assert fronts(status, message, param, code) == engines(status, message, param, code)

@@ -61,13 +61,14 @@ def ask(server, data: bytes, pause: float = 0.0) -> dict | None:
 
 
 @pytest.mark.parametrize("data,error", [
-    (b"[1]\n", "expected a JSON object, got list"),
-    (b"[" * 5000 + b"\n", "maximum recursion depth"),
+    (b"[1]\n", "Expected `object`, got `array`"),
+    (b"[" * 5000 + b"\n", "Expected `object`, got `array`"),
     (b'{"cmd": "ps"', "bad request"),
     (b"\xff\xfe\x00\n", "bad request"),
-    (b'{"cmd": ["ps"]}\n', "unknown command ['ps']"),
+    (b'{"cmd": ["ps"]}\n', "Expected `str`, got `array` - at `$.cmd`"),
+    (b'{"cmd": "reboot"}\n', "Invalid enum value 'reboot' - at `$.cmd`"),
     (b"x" * (control.MAX_REQUEST_BYTES + 1) + b"\n", f"longer than {control.MAX_REQUEST_BYTES} bytes"),
-], ids=["list", "deep", "truncated", "not-utf8", "wrong-cmd", "too-long"])
+], ids=["list", "deep", "truncated", "not-utf8", "wrong-cmd", "unknown-cmd", "too-long"])
 def test_no_command_is_answered_and_logged(server, data, error):
     assert error in ask(server, data)["error"]
     assert [(e, level, f["socket"]) for e, level, f in server.supervisor.logged] == [

@@ -56,7 +56,7 @@ def snapshot(run_dir, replica: int | None = None) -> dict:
     from vsup.supervisor.control_client import request
 
     try:
-        state = request(str(run_dir.control_socket), {"cmd": "ps"})
+        state = request(str(run_dir.control_socket), "ps")
         state["supervisor"]["live"] = True
         add_remote(state)
     except (OSError, ValueError):

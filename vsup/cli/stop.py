@@ -21,7 +21,7 @@ def stop(name: options.Name = "default", timeout: options.StopWait = 120.0) -> N
     run_dir = RunDir(name).require()
     crash.remember(run_dir)
     try:
-        answer = request(str(run_dir.control_socket), {"cmd": "stop"})
+        answer = request(str(run_dir.control_socket), "stop")
     except OSError:
         typer.echo(f"deployment {name!r} is not running")
         return
@@ -72,8 +72,8 @@ def restart(role: options.Role = None, dp: options.DpRank = None, replica: optio
     if (rolling or replica is not None) and run_dir.read_state()["supervisor"].get("engine") != "vllm":
         raise UsageError(f"--rolling and --replica are for --engine vllm; {name!r} runs vsup's own engine")
     try:
-        answer = request(str(run_dir.control_socket), {"cmd": "restart", "role": role, "dp": dp,
-                                                       "replica": replica, "rolling": rolling, "now": now})
+        answer = request(str(run_dir.control_socket), "restart", role=role, dp=dp, replica=replica,
+                         rolling=rolling, now=now)
     except OSError:
         raise Failure(f"deployment {name!r} is not running (nothing answers on {run_dir.control_socket}); start it "
                       f"with 'vsup serve --name {name}'") from None

@@ -20,6 +20,7 @@ import psutil
 from vsup import procfs
 from vsup.devices import gpu_processes
 from vsup.diagnosis import diagnose, load_figures
+from vsup.messages import ControlRequest, decode
 
 MAX_REQUEST_BYTES = 64 << 10
 REQUEST_TIMEOUT_S = 2.0
@@ -62,8 +63,8 @@ class ControlServer:
             self.answer(conn, {"error": f"bad request: longer than {MAX_REQUEST_BYTES} bytes"})
         elif newline or not chunk:
             try:
-                answer = self.handle(parse_request(line))
-            except (ValueError, RecursionError) as e:
+                answer = self.handle(decode(line, ControlRequest))
+            except ValueError as e:  # (msgspec's errors are ValueErrors)
                 answer = {"error": f"bad request: {e}"}
             self.answer(conn, answer)
 
@@ -84,24 +85,20 @@ class ControlServer:
             except OSError:
                 pass  # the client went away
 
-    def handle(self, request: dict) -> dict:
-        cmd = request.get("cmd")
-        if cmd == "ps":
+    def handle(self, request: ControlRequest) -> dict:
+        if request.cmd == "ps":
             return self.ps()
-        if cmd == "loads":  # what the API servers' /metrics show of every process (engine/load.py)
+        if request.cmd == "loads":  # what the API servers' /metrics show of every process (engine/load.py)
             now = time.time()
             return {"loads": {c["name"]: {"role": c["role"], **figures} for c in self.supervisor.snapshot()["processes"]
                               if c.get("pid") and (figures := load_figures(self.supervisor.loads.get(c["name"]),
                                                                            c["pid"], now))}}
-        if cmd == "stop":
+        if request.cmd == "stop":
             self.supervisor.request_stop("vsup stop")
             return {"ok": True, "pid": os.getpid()}
-        if cmd == "restart":
-            restarted = self.supervisor.request_restart(request.get("role"), request.get("dp"),
-                                                        request.get("replica"), bool(request.get("rolling")),
-                                                        now=bool(request.get("now")))
-            return {"ok": bool(restarted), "units": restarted}
-        return {"error": f"unknown command {cmd!r}"}
+        restarted = self.supervisor.request_restart(request.role, request.dp, request.replica, request.rolling,
+                                                    now=request.now)
+        return {"ok": bool(restarted), "units": restarted}
 
     def ps(self) -> dict:
         """The snapshot plus what psutil sees of each live process (CPU% since the last ps, RSS, the CPUs
@@ -152,14 +149,6 @@ class ControlServer:
         self.sock.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
-
-
-def parse_request(line: bytes) -> dict:
-    """The JSON object of a request line (an empty line: {})."""
-    request = json.loads(line or b"{}")
-    if not isinstance(request, dict):
-        raise ValueError(f"expected a JSON object, got {type(request).__name__}")
-    return request
 
 
 def listen_unix(path: str, backlog: int = 16) -> socket.socket:

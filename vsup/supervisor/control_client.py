@@ -7,8 +7,9 @@ import json
 import os
 
 
-def request(path: str, payload: dict, timeout: float = 5.0) -> dict:
-    """Ask the supervisor; raises OSError when none listens there."""
+def request(path: str, cmd: str, timeout: float = 5.0, **fields) -> dict:
+    """Ask the supervisor `cmd` (the fields of messages.ControlRequest, which the supervisor decodes: the
+    client spares itself msgspec's import); raises OSError when none listens there."""
     if not os.path.exists(path):  # none has run, or it is gone: `vsup ps` then spares the socket module
         raise FileNotFoundError(f"no control socket at {path}")
     import socket
@@ -16,5 +17,5 @@ def request(path: str, payload: dict, timeout: float = 5.0) -> dict:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
-        sock.sendall((json.dumps(payload) + "\n").encode())
+        sock.sendall((json.dumps({"cmd": cmd, **fields}) + "\n").encode())
         return json.loads(sock.makefile().readline())

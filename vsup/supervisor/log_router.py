@@ -18,6 +18,7 @@ from typing import Callable, TextIO
 
 import msgspec
 
+from vsup.messages import Hello, decode
 from vsup.supervisor.log_format import is_load_report, now_iso, render, supervisor_record, tag_json_lines, tag_line
 
 LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
@@ -214,16 +215,13 @@ class LogRouter(threading.Thread):
     def _hello(self, raw: bytes, fd: int, chunk: bytes) -> tuple[str, dict | None]:
         """Read a hook connection's first line; a malformed one is logged and its lines dropped."""
         try:
-            hello = json.loads(raw)
-            pid, stream = int(hello["pid"]), str(hello["stream"])
-            if stream not in ("stdout", "stderr"):
-                raise ValueError(f"stream {stream!r}")
-        except (ValueError, KeyError, TypeError) as e:
+            hello = decode(raw, Hello)
+        except ValueError as e:
             self.emit(supervisor_record("malformed hook hello dropped", "warning", error=str(e)[:200]))
             stream, tag = DROP, None
         else:
             self.on_hello(hello)
-            tag = {"hook_pid": pid}
+            stream, tag = hello.stream, {"hook_pid": hello.pid}
         if chunk:  # still open: later reads carry the new stream and tag
             self.selector.modify(fd, selectors.EVENT_READ, (stream, tag))
         return stream, tag

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from vsup import addresses, procfs, shm_sweep, unix_http
 from vsup.exits import describe_exit
+from vsup.messages import Hello, TreeNews, encode_line
 from vsup.supervisor import lifecycle as lc
 from vsup.supervisor.child import Child
 from vsup.supervisor.control import listen_unix
@@ -123,13 +123,12 @@ class VllmUnits:
 
     # who is who (on the router's thread)
 
-    def on_hello(self, hello: dict) -> None:
+    def on_hello(self, hello: Hello) -> None:
         """A process of a tree connected (the hello names its replica): its lines are tagged from now on;
         the loop introduces it."""
-        try:
-            self.tree_of[int(hello["pid"])] = self.trees[int(hello.get("replica") or 0)]
-        except (ValueError, TypeError, IndexError):
+        if not 0 <= hello.replica < len(self.trees):
             return
+        self.tree_of[hello.pid] = self.trees[hello.replica]
         self.sup.loop.post(("hello", hello))
 
     def tag(self, line: str, stream: str, pid: int) -> dict:
@@ -158,8 +157,8 @@ class VllmUnits:
         elif item[0] == "probe":
             self.on_probe(*item[1:])
 
-    def introduce(self, hello: dict) -> None:
-        pid = int(hello["pid"])
+    def introduce(self, hello: Hello) -> None:
+        pid = hello.pid
         tree = self.tree_of.get(pid)
         if tree is None or tree.owns(pid):
             return
@@ -167,7 +166,7 @@ class VllmUnits:
             pidfd = os.pidfd_open(pid)
         except OSError:
             return  # already gone
-        proc = tree.procs[pid] = Observed(pid, int(hello.get("ppid") or 0), pidfd)
+        proc = tree.procs[pid] = Observed(pid, hello.ppid, pidfd)
         self.sup.loop.watch(pidfd, lambda: self.exited(tree, proc))
         tree.resolve(proc)
         self.sup.post(tree.id, lc.Started(pid))
@@ -255,10 +254,10 @@ class VllmUnits:
         for tree in self.trees:
             for role, n in tree.by_role.items():
                 restarts[role] = restarts.get(role, 0) + n
-        lines = [json.dumps({"replica": tree.r or 0, "gen": tree.gen, "up": self.up(tree), "stopping":
-                             self.sup.stopping, "restarts": restarts}) + "\n" for tree in self.trees]
+        news = [encode_line(TreeNews(tree.r or 0, tree.gen, self.up(tree), self.sup.stopping, restarts))
+                for tree in self.trees]
         try:
-            os.write(self.front_w, "".join(lines).encode())
+            os.write(self.front_w, b"".join(news))
         except (BlockingIOError, BrokenPipeError):
             pass  # (a front that does not read is dead, and restarts)
 
@@ -344,6 +343,9 @@ class VllmUnits:
             if proc.last_exit in (None, procfs.UNSEEN_EXIT):  # (we may have reaped it already, with its status)
                 proc.last_exit = procfs.exit_status(proc.pid)
         self.reap_adopted()
+        if proc is tree.root and self.phase(tree) == Phase.ENDING and not self.sup.stopping:
+            self.sup.log("vllm tree drained", why=f"{proc.spec.name} {proc.last_exit}", process=proc.spec.name,
+                         unit=str(tree.id))
         live = self.phase(tree) in lc.LIVE and not self.sup.stopping
         if not live or isinstance(proc, Observed) and proc.role is None:  # (a subprocess vLLM ran and waited for)
             self.sup.post(tree.id, lc.Reaped(proc.pid))
