@@ -35,7 +35,7 @@ LAYERS = [  # bottom first; a module belongs to the entry that is the longest pr
 VSUP_LAYERS = [
     # names, spellings and parsers that everything uses
     ["vsup.errors", "vsup.roles", "vsup.exits", "vsup.sizes", "vsup.cpulist", "vsup.addresses", "vsup.unix_http",
-     "vsup.serve_flags", "vsup.shm_sweep"],
+     "vsup.serve_flags", "vsup.shm_sweep", "vsup.messages"],
     ["vsup.procfs", "vsup.rundir", "vsup.model_shape", "vsup.log_query"],  # what a process, a run dir, a model is
     ["vsup.topology", "vsup.memory", "vsup.model_dir"],                   # the plan, pure
     ["vsup.placement"],
