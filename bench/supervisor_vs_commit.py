@@ -55,12 +55,13 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=HERE, check=False)
     medians = {name: {figure: statistics.median(r[part][key] for r in runs)
                       for figure, (part, key) in FIGURES.items()} for name, runs in found.items()}
-    rows = [[figure, f"{medians['this'][figure]:.3f}", f"{medians[commit][figure]:.3f}",
-             f"{medians['this'][figure] / medians[commit][figure]:.2f}"] for figure in FIGURES]
-    print_table(f"the supervisor, this tree against {commit} (medians of {args.rounds} interleaved rounds)",
-                ["figure", "this tree", commit, "ratio"], rows)
     write_results("supervisor_vs_commit", {"conditions": conditions(), "commit": commit, "rounds": args.rounds,
                                            "medians": medians, "runs": found})
+    rows = [[figure, f"{medians['this'][figure]:.3f}", f"{medians[commit][figure]:.3f}",
+             f"{medians['this'][figure] / medians[commit][figure]:.2f}" if medians[commit][figure] else "-"]
+            for figure in FIGURES]
+    print_table(f"the supervisor, this tree against {commit} (medians of {args.rounds} interleaved rounds)",
+                ["figure", "this tree", commit, "ratio"], rows)
 
 
 if __name__ == "__main__":

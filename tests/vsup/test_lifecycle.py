@@ -281,4 +281,6 @@ def test_a_stop_waits_for_every_process_and_kills_at_its_deadline():
     assert life.phase == Phase.STOPPING and life.running == {3}
     life, actions = lc.step(life, lc.Timer(), 10.0)
     assert actions == [lc.Kill()]
+    late, actions = lc.step(life, lc.Started(4), 10.05)  # introduced after the SIGKILL: killed too
+    assert actions == [lc.Kill()] and late.running == {3, 4}
     assert lc.step(life, lc.Exited(3, "worker dp0 pp0 tp0", "signal 9 (SIGKILL)"), 10.1)[0].phase == Phase.STOPPED

@@ -60,9 +60,10 @@ class Front:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-                self.relay.clients = [httpx.AsyncClient(base_url="http://vllm", timeout=httpx.Timeout(None, connect=5.0),
-                                                  transport=httpx.AsyncHTTPTransport(uds=path, limits=limits))
-                                for path in self.upstreams]
+                timeout = httpx.Timeout(None, connect=5.0)
+                self.relay.clients = [httpx.AsyncClient(base_url="http://vllm", timeout=timeout,
+                                                        transport=httpx.AsyncHTTPTransport(uds=path, limits=limits))
+                                      for path in self.upstreams]
                 self.reader = asyncio.get_running_loop().create_task(self._read_supervisor())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":

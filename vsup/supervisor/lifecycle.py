@@ -235,7 +235,8 @@ def _started(life: Life, event: Started) -> tuple[Life, list[Action]]:
     if life.phase == Phase.PENDING:
         return life, []
     life = replace(life, running=life.running | {event.pid})
-    if life.phase in (Phase.BACKOFF, Phase.FAILED, Phase.STOPPED):
+    killed = life.phase in (Phase.ENDING, Phase.STOPPING) and life.deadline is None  # (its SIGKILL went out)
+    if life.phase in (Phase.BACKOFF, Phase.FAILED, Phase.STOPPED) or killed:
         return life, [Kill()]  # a process that a dying tree started late: it must not outlive the tree
     return life, [Save()]
 

@@ -145,10 +145,10 @@ class LogRouter(threading.Thread):
         self.pending.append((pipe, stream, tag))
         os.write(self.wake_w, b"x")
 
-    def listen(self, sock, on_hello: Callable[[dict], None], tagger: Callable[[str, str, int], dict]) -> None:
+    def listen(self, sock, on_hello: Callable[[Hello], None], tagger: Callable[[str, str, Hello], dict]) -> None:
         """Accept the start-up hook's connections on `sock` (a stock vLLM's processes, vsup/vllm/hook):
         each opens with one JSON line {"pid", "ppid", "stream"}, handed to `on_hello`; every later line
-        becomes the record `tagger(line, stream, pid)`."""
+        becomes the record `tagger(line, stream, hello)`."""
         self.on_hello, self.tagger = on_hello, tagger
         self.pending.append((sock, LISTEN, None))
         os.write(self.wake_w, b"x")
@@ -221,7 +221,7 @@ class LogRouter(threading.Thread):
             stream, tag = DROP, None
         else:
             self.on_hello(hello)
-            stream, tag = hello.stream, {"hook_pid": hello.pid}
+            stream, tag = hello.stream, {"hello": hello}
         if chunk:  # still open: later reads carry the new stream and tag
             self.selector.modify(fd, selectors.EVENT_READ, (stream, tag))
         return stream, tag
@@ -229,7 +229,7 @@ class LogRouter(threading.Thread):
     def _records(self, whole: bytes, stream: str, tag: dict | None, fd: int, chunk: bytes) -> list[dict]:
         """The records of whole lines read from `fd` for the sinks."""
         arrived = now_iso()  # the time of every line of this read that does not say its own
-        if stream == "stdout" and "hook_pid" not in tag:  # a child of our engine: JSON lines, tagged in one go
+        if stream == "stdout" and "hello" not in tag:  # a child of our engine: JSON lines, tagged in one go
             records = tag_json_lines(whole, stream, tag, arrived)
             if records is not None:
                 return [record for record in records if self._kept(record, stream, None)]
@@ -241,7 +241,7 @@ class LogRouter(threading.Thread):
             line = raw.decode(errors="replace").rstrip("\r")
             if not line or line.isspace() or stream == DROP:
                 continue
-            record = (self.tagger(line, stream, tag["hook_pid"]) if "hook_pid" in tag
+            record = (self.tagger(line, stream, tag["hello"]) if "hello" in tag
                       else tag_line(line, stream, tag, arrived))
             if self._kept(record, stream, line):
                 records.append(record)

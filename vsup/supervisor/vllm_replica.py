@@ -79,19 +79,26 @@ class Tree:
 
     def resolve(self, proc: Observed) -> None:
         """Its vsup name and title, from its command line: re-read until vLLM has titled it for good (a
-        spawned process starts as `python -c ...`, a worker is titled twice)."""
+        spawned process starts as `python -c ...`, a worker is titled twice). On the supervisor's loop."""
         if proc.name and proc.title and (proc.title.startswith(names.TITLE_PREFIX) or proc.role == names.HELPER):
             return
         title = procfs.cmdline(proc.pid)
         if title is None:
             return
         proc.title = title
+        role = self.role_by_title(proc, title)
+        if role is not None:
+            self.name(proc, role)
+
+    def role_by_title(self, proc: Observed, title: str) -> names.Role | None:
+        """What its title says it is (or, before vLLM titles a spawned process, its parent); None: nothing
+        new."""
         role = names.role_of_title(title.split(" "))
         if role is not None and (role.settled or proc.name is None):
-            self.name(proc, role)
-        elif proc.name is None and names.started_by_multiprocessing(title) and \
-                (guess := self.by_parent(proc)) is not None:
-            self.name(proc, guess)
+            return role
+        if proc.name is None and names.started_by_multiprocessing(title):
+            return self.by_parent(proc)
+        return None
 
     def by_parent(self, proc: Observed) -> names.Role | None:
         """Before vLLM titles a spawned process, its parent may already say what it is: a child of an
@@ -106,40 +113,42 @@ class Tree:
             return names.Role(ENGINE_CORE, dp=0)
         return None
 
-    def name(self, proc: Observed, role: names.Role) -> None:
+    def naming(self, role: names.Role) -> tuple[str, dict, str | None]:
+        """(role, ranks, vsup name) of a process that `role` says it is; no name while it is a worker
+        of a plan with several and its ranks are not known yet."""
         if role.role == names.HELPER:
-            proc.role, proc.name = names.HELPER, helper_name(RESOURCE_TRACKER, self.r)
-            return
+            return names.HELPER, {}, helper_name(RESOURCE_TRACKER, self.r)
         if not role.settled:
             workers = self.specs(WORKER)
             if len(workers) != 1:
-                proc.role = WORKER
-                return
+                return WORKER, {}, None
             role = names.Role(WORKER, dp=workers[0].dp, pp=workers[0].pp, tp=workers[0].tp)
-        proc.role = role.role
-        proc.ranks = {k: getattr(role, k) for k in ("a", "dp", "pp", "tp") if getattr(role, k) is not None}
-        proc.name = process_name(role.role, r=self.r, **proc.ranks)
+        ranks = {k: getattr(role, k) for k in ("a", "dp", "pp", "tp") if getattr(role, k) is not None}
+        return role.role, ranks, process_name(role.role, r=self.r, **ranks)
+
+    def name(self, proc: Observed, role: names.Role) -> None:
+        proc.role, ranks, name = self.naming(role)
+        if name is not None:
+            proc.ranks, proc.name = ranks, name
 
     def who(self, pid: int, prefix_name: str | None) -> dict:
-        """The tags of a line written by `pid`, one of this tree's processes."""
+        """The tags of a line written by `pid`, one of this tree's processes. On the log router's thread: it
+        reads what the loop knows and stores nothing; a process not named yet is named as its title, or
+        else vLLM's log prefix, says."""
         root = self.root.spec
         if pid == self.root.pid:
-            name, role, ranks = root.name, root.role, {"a": root.a}
-        else:
-            proc = self.procs.get(pid)
-            if proc is not None and proc.name is None:
-                self.resolve(proc)
-                if proc.name is None and prefix_name:
-                    role = names.role_of_name(prefix_name)
-                    if role is not None:
-                        self.name(proc, role)
-            if proc is None or proc.name is None:
-                role = proc.role if proc else None
-                return {"name": role or f"pid {pid}", "role": role, "r": self.r, "a": None, "dp": None,
-                        "pp": None, "tp": None, "pid": pid}
-            name, role, ranks = proc.name, proc.role, proc.ranks
-        return {"name": name, "role": role, "r": self.r, "a": ranks.get("a"), "dp": ranks.get("dp"),
-                "pp": ranks.get("pp"), "tp": ranks.get("tp"), "pid": pid}
+            return {"name": root.name, "role": root.role, "r": self.r, "a": root.a, "dp": None, "pp": None,
+                    "tp": None, "pid": pid}
+        proc = self.procs.get(pid)
+        role, ranks, name = (proc.role, proc.ranks, proc.name) if proc is not None else (None, {}, None)
+        if proc is not None and name is None:
+            title = procfs.cmdline(pid)
+            said = (self.role_by_title(proc, title) if title else None) or \
+                (names.role_of_name(prefix_name) if prefix_name else None)
+            if said is not None:
+                role, ranks, name = self.naming(said)
+        return {"name": name or role or f"pid {pid}", "role": role, "r": self.r, "a": ranks.get("a"),
+                "dp": ranks.get("dp"), "pp": ranks.get("pp"), "tp": ranks.get("tp"), "pid": pid}
 
     def name_of(self, proc) -> str:
         return proc.spec.name if isinstance(proc, Child) else (proc.name or f"pid {proc.pid}")

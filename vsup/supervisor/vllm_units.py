@@ -84,9 +84,10 @@ class VllmUnits:
         self.by_id = {t.id: t for t in self.trees}
         self.gens = itertools.count(1)  # every tree started gets the next: the front resumes on another one
         self.front_w: int | None = None
-        self.tree_of: dict[int, Tree] = {}  # pid -> its tree, for the router's tagging (its thread adds to it)
+        self.tree_of: dict[int, Tree] = {}  # pid -> its tree
         self.history: dict[str, dict] = {p.name: {"restarts": 0, "last_exit": None} for p in plan.processes}
-        self.last_level: dict[tuple[int, str], str] = {}  # a traceback's or warning's next lines keep its level
+        # a traceback's or warning's next lines keep its level: the log router's own (tag() runs on its thread)
+        self.last_level: dict[tuple[int, str], str] = {}
         self.rolling: deque[Tree] = deque()  # `vsup restart --rolling`: the trees still to drain and restart
         self.loads: dict[str, dict] = {}
         libc = ctypes.CDLL(None, use_errno=True)
@@ -124,24 +125,26 @@ class VllmUnits:
     # who is who (on the router's thread)
 
     def on_hello(self, hello: Hello) -> None:
-        """A process of a tree connected (the hello names its replica): its lines are tagged from now on;
-        the loop introduces it."""
-        if not 0 <= hello.replica < len(self.trees):
-            return
-        self.tree_of[hello.pid] = self.trees[hello.replica]
+        """A process of a tree connected (the hello names its replica): the loop introduces it."""
         self.sup.loop.post(("hello", hello))
 
-    def tag(self, line: str, stream: str, pid: int) -> dict:
-        """The record of one line from the connection of process `pid`."""
+    def tag(self, line: str, stream: str, hello: Hello) -> dict:
+        """The record of one line from the connection that `hello` opened. It reads the trees and stores
+        nothing but the level that a traceback's next lines keep (the router's own); a process named here
+        by vLLM's log prefix before the loop knows its name is told to the loop."""
         parsed = names.parse_line(line)
-        tree = self.tree_of.get(pid, self.trees[0])
-        writer = parsed.prefix_pid if tree.owns(parsed.prefix_pid) else pid
+        tree = self.trees[hello.replica] if 0 <= hello.replica < len(self.trees) else self.trees[0]
+        writer = parsed.prefix_pid if tree.owns(parsed.prefix_pid) else hello.pid
         who = tree.who(writer, parsed.prefix_name)
+        proc = tree.procs.get(writer)
+        if proc is not None and proc.name is None and parsed.prefix_name:
+            self.sup.loop.post(("prefix", tree, writer, parsed.prefix_name))
         if tree.r is None:
             del who["r"]
-        level = parsed.level or (self.last_level.get((pid, stream)) if names.continues(line) else None) or \
+        key = (hello.pid, stream)
+        level = parsed.level or (self.last_level.get(key) if names.continues(line) else None) or \
             ("error" if stream == "stderr" else "info")
-        self.last_level[(pid, stream)] = level
+        self.last_level[key] = level
         record = {"ts": now_iso(), "level": level, **who, "stream": stream, "event": parsed.message}
         if parsed.prefix_name:
             record["vllm"] = parsed.prefix_name
@@ -156,11 +159,18 @@ class VllmUnits:
             self.introduce(item[1])
         elif item[0] == "probe":
             self.on_probe(*item[1:])
+        elif item[0] == "prefix":  # (a line's vLLM prefix named a process before its title did)
+            _, tree, pid, prefix_name = item
+            proc = tree.procs.get(pid)
+            if proc is not None and proc.name is None and (role := names.role_of_name(prefix_name)) is not None:
+                tree.name(proc, role)
 
     def introduce(self, hello: Hello) -> None:
         pid = hello.pid
-        tree = self.tree_of.get(pid)
-        if tree is None or tree.owns(pid):
+        if not 0 <= hello.replica < len(self.trees):
+            return
+        tree = self.tree_of[pid] = self.trees[hello.replica]
+        if tree.owns(pid):
             return
         try:
             pidfd = os.pidfd_open(pid)
