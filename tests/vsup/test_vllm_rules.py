@@ -222,3 +222,39 @@ def test_the_tree_is_blamed_on_the_process_whose_end_ended_it(tmp_path):
                   root_pid=zombie.pid)[0] == root
     assert blamed("signal 9 (SIGKILL)", core_alive=False, core_exit="signal 9 (SIGKILL)")[0] == core
     zombie.wait()
+
+
+def test_replicas_split_the_users_cuda_visible_devices_as_given():
+    from vsup.vllm.args import replica_gpus
+
+    assert replica_gpus(None, 2, 2) == ["0,1", "2,3"]  # none set: the GPUs from 0 on, as before
+    assert replica_gpus("3,1,2,0", 2, 2) == ["3,1", "2,0"]  # the user's order, not ours
+    uuids = "GPU-aa11,GPU-bb22, MIG-cc33"
+    assert replica_gpus(uuids, 3, 1) == ["GPU-aa11", "GPU-bb22", "MIG-cc33"]
+    assert replica_gpus("4,5,6,7", 2, 1) == ["4,5", "6,7"]  # more than a tree needs: each its share
+    for visible, replicas, per_tree, why in [("0,1,2", 2, 1, "do not split into --replicas 2 shares of 1"),
+                                             ("0,1", 2, 2, "do not split into --replicas 2 shares of 2"),
+                                             ("0,gpu1", 2, 1, "'gpu1', which is no GPU index")]:
+        with pytest.raises(UsageError, match=why):
+            replica_gpus(visible, replicas, per_tree)
+
+
+def test_serve_gives_each_replica_its_share_of_the_users_gpus(monkeypatch, tmp_path):
+    """The plan `vsup serve --engine vllm --replicas 2 --device cuda` starts: each tree's environment has its
+    share of the CUDA_VISIBLE_DEVICES the user set (the vLLM binary and its flags stand in)."""
+    import vsup.vllm.launch as launch
+
+    monkeypatch.setattr(launch, "find_vllm", lambda vllm_bin: "/usr/bin/true")
+    monkeypatch.setattr(launch, "serve_flags", lambda binary, env: set())
+    monkeypatch.setattr(launch, "unknown_flags", lambda argv, known: [])
+
+    def trees(visible):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        plan = launch.vllm_deployment(ParallelConfig(device="cuda", tensor_parallel_size=2), flags(), None, (),
+                                      None, launch.FrontFlags(60, 8, 1), str(tmp_path), replicas=2)
+        return [p.env.get("CUDA_VISIBLE_DEVICES") for p in tree_roots(plan)]
+
+    assert trees("GPU-a,GPU-b,GPU-c,GPU-d") == ["GPU-a,GPU-b", "GPU-c,GPU-d"]
+    assert trees("7,6,5,4") == ["7,6", "5,4"]
+    with pytest.raises(UsageError, match="lists 3 GPUs"):
+        trees("0,1,2")

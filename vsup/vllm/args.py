@@ -45,6 +45,25 @@ def check_replicas(vllm: bool, replicas: int, config: ParallelConfig | None = No
                          f"{MAX_PROCESSES:,} vsup plans for: check --replicas for a typo")
 
 
+def replica_gpus(visible: str | None, replicas: int, per_tree: int) -> list[str]:
+    """Each replica's CUDA_VISIBLE_DEVICES: the user's list as given (GPU indexes, or `GPU-`/`MIG-` UUIDs)
+    split in turn among the replicas, or GPUs 0, 1, ... when none is set. Exit 2 when the list names no GPU
+    the way CUDA reads one, does not divide among the replicas, or leaves a replica short."""
+    if visible is None:
+        return [",".join(map(str, range(r * per_tree, (r + 1) * per_tree))) for r in range(replicas)]
+    gpus = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    wrong = next((g for g in gpus if not (g.isdigit() or g.startswith(("GPU-", "MIG-")))), None)
+    if wrong is not None:
+        raise UsageError(f"CUDA_VISIBLE_DEVICES={visible} has {wrong!r}, which is no GPU index nor GPU-/MIG- UUID: "
+                         f"list the GPUs for the replicas, comma-separated")
+    if len(gpus) % replicas or len(gpus) // replicas < per_tree:
+        raise UsageError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(gpus)} GPUs, which do not split into "
+                         f"--replicas {replicas} shares of {per_tree}: list {replicas * per_tree} (or a multiple of "
+                         f"{replicas} with at least {per_tree} each), or change --replicas")
+    share = len(gpus) // replicas
+    return [",".join(gpus[r * share:(r + 1) * share]) for r in range(replicas)]
+
+
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
     """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged."""
     where = ["--uds", flags.uds] if flags.uds else ["--host", flags.host, "--port", str(flags.port)]

@@ -4,7 +4,7 @@ Finds the vllm executable and checks every flag against what the installed
 version takes, before anything starts. vLLM listens on a Unix socket in the
 run dir (addresses.vllm_socket) with a random API key; vsup's front holds the
 public host and port. With --replicas N, N trees, each on its own socket, cores
-(or GPUs) and none shared.
+(or GPUs: the user's CUDA_VISIBLE_DEVICES split among them) and none shared.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vsup import addresses
 from vsup.errors import UsageError
 from vsup.topology import WORKER, ParallelConfig, Plan
 from vsup.serve_flags import ServeFlags
-from vsup.vllm.args import cpu_placement, serve_argv, serve_env, unknown_flags
+from vsup.vllm.args import cpu_placement, replica_gpus, serve_argv, serve_env, unknown_flags
 from vsup.vllm.help import find_vllm, serve_flags
 from vsup.vllm.plan import vllm_plan
 
@@ -43,6 +43,9 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
     workers = sum(p.role == WORKER and p.device == "cpu" for p in vllm_plan(config).processes)
     binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas, cpu_reserve)
     upstream_key = secrets.token_urlsafe(24)
+    if replicas > 1 and config.device == "cuda":  # each replica its share of the GPUs the user let vsup see
+        gpus = replica_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), replicas,
+                            config.data_parallel_size * config.workers_per_engine)
     trees, upstreams = [], []
     for r in range(replicas):
         private = replace(flags, host=PRIVATE_HOST, uds=addresses.vllm_socket(run_dir, r if replicas > 1 else None))
@@ -54,8 +57,7 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
         if replicas > 1 and config.device == "cpu":  # vLLM's auto binding would put every replica on core 0
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if replicas > 1 and config.device == "cuda":
-            per_tree = config.data_parallel_size * config.workers_per_engine
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(r * per_tree, (r + 1) * per_tree)))
+            env["CUDA_VISIBLE_DEVICES"] = gpus[r]
         argv = serve_argv(binary, config, private, extra)
         if r == 0:
             unknown = unknown_flags(argv[3:], serve_flags(binary, env))
