@@ -5,7 +5,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.distributed import layer_range
@@ -112,6 +112,7 @@ def test_max_grammar_bytes_reaches_the_api_server_and_the_engine_core():
     assert core.max_grammar_bytes == 1234 and core.grammar_compile_timeout == 10.0
 
 
+@settings(deadline=None)  # (the first example's time is the imports')
 @given(status=st.sampled_from([400, 401, 404, 405, 413, 422, 429, 500, 502, 503, 504]), message=st.text(max_size=40),
        param=st.none() | st.sampled_from(["model", "top_p"]), code=st.none() | st.just("model_not_found"))
 def test_the_engine_and_the_front_answer_errors_in_one_shape(status, message, param, code):

@@ -140,10 +140,9 @@ def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
 
     `device_bytes` is one worker's share of its device: a GPU's memory, or the
     node's RAM divided among its workers; None when it cannot be known.
-    `cpu_bfloat16`: whether this CPU computes bfloat16 (for `linear_dtype`).
+    `cpu_bfloat16`: whether this CPU computes bfloat16 (for `linear_dtype`). The flags' values were checked
+    before (vsup/cli/sizing.py's check_values).
     """
-    if not 0 < gpu_memory_utilization <= 1:
-        raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
     dtype = resolve_dtype(dtype, shape, device)
     linear_dtype = resolve_linear_dtype(linear_dtype, dtype, device, cpu_bfloat16)
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)

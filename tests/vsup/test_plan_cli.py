@@ -262,3 +262,27 @@ def test_serve_refuses_what_it_cannot_run_before_starting_anything(tmp_path):
         result = vsup("serve", "--device", "cpu", *flags, env=env)
         assert result.returncode == 2 and needle in result.stderr, result.stderr
     assert not list(tmp_path.iterdir())  # no run dir was made
+
+
+BAD_VALUES = [  # (flags, the option the one line names): plan without a model once printed a plan for each
+    (["--kv-cache-memory", "12XB"], "--kv-cache-memory"),
+    (["--kv-cache-memory", "-5"], "--kv-cache-memory"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory"),
+    (["--max-model-len", "-1"], "--max-model-len"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+]
+
+
+@pytest.mark.parametrize("flags,option", BAD_VALUES, ids=[" ".join(f) for f, _ in BAD_VALUES])
+def test_plan_refuses_what_serve_refuses_with_one_line_naming_the_option(flags, option, tmp_path):
+    """The value checks are one function for both commands, with or without a model; `serve` (its run dir
+    impossible here, so it could start nothing) says the same of the value before anything else."""
+    plan = vsup("plan", "--device", "cpu", *flags)
+    assert plan.returncode == 2 and plan.stdout == "", plan
+    assert plan.stderr.count("\n") == 1 and option in plan.stderr and "Traceback" not in plan.stderr
+    (tmp_path / "file").write_text("")
+    serve = vsup("serve", "--device", "cpu", *flags, env=dict(os.environ, VSUP_HOME=str(tmp_path / "file" / "home")))
+    assert serve.returncode == 2 and serve.stderr.replace("vsup serve", "vsup plan") == plan.stderr, serve

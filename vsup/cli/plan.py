@@ -33,10 +33,11 @@ def plan(
     Each process's CPUs as `serve` would pin them on this machine (--cpu-reserve).
     With --engine vllm: the tree a stock `vllm serve` builds, by vLLM's rules (its helpers counted apart).
     """
-    from vsup.cli.sizing import model_memory, split_engine_args
+    from vsup.cli.sizing import check_values, model_memory, split_engine_args
     from vsup.topology import plan as make_plan
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
+    check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)  # (serve's own, model or not)
 
     config = parallel  # (checked, its device resolved)
     if replicas != 1 or engine == options.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)

@@ -71,12 +71,13 @@ def serve(
     """
     from vsup.cli import crash
     from vsup.cli.plan import placement_of
-    from vsup.cli.sizing import model_memory, split_engine_args
+    from vsup.cli.sizing import check_values, model_memory, split_engine_args
     from vsup.rundir import RunDir
     from vsup.serve_flags import ServeFlags, engine_args
     from vsup.supervisor.supervisor import Options
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
+    check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)  # (plan's too: before anything else)
     vllm = engine == options.EngineKind.vllm
     check_flags(parallel, cluster_secret=cluster_secret, port=port, max_num_seqs=max_num_seqs)
     policy = restart_policy_of(restart_policy, max_restarts, restart_max_delay)

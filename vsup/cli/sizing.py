@@ -7,6 +7,28 @@ from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 
 
+def check_values(max_model_len: int | None, kv_cache_memory: str | None, gpu_memory_utilization: float
+                 ) -> int | None:
+    """The value checks of the sizing flags, the same for `plan` and `serve`, with or without a model and
+    whatever the machine: a UsageError naming the flag, else the --kv-cache-memory in bytes (None: unset).
+    (What needs the machine, its devices and ports and run dir, is checked by `serve` alone.)"""
+    from vsup.sizes import parse_size
+
+    if max_model_len is not None and max_model_len < 1:
+        raise UsageError(f"--max-model-len must be at least 1 (got {max_model_len})")
+    if not 0 < gpu_memory_utilization <= 1:  # (NaN too)
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1] (got {gpu_memory_utilization})")
+    if kv_cache_memory is None:
+        return None
+    try:
+        kv_bytes = parse_size(kv_cache_memory)
+    except ValueError as e:
+        raise UsageError(f"--kv-cache-memory: {e}") from None
+    if kv_bytes < 1:
+        raise UsageError(f"--kv-cache-memory must be more than 0 bytes (got {kv_cache_memory!r})")
+    return kv_bytes
+
+
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
                  kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup",
                  vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto", kv_cache_dtype: str = "auto"):
@@ -15,21 +37,13 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
     like a Llama's. `vllm_args`: what follows `--` for it."""
     from vsup.devices import cpu_computes_bfloat16, gpu_memory_bytes
     from vsup.memory import memory_plan
-    from vsup.sizes import parse_size
     from vsup.model_dir import check_model_dir
     from vsup.model_shape import read_model_shape
 
+    kv_bytes = check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)
     shape = read_model_shape(model, strict=engine != "vllm")
     check_model_dir(model, shape, engine, vllm_args)
     shape.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
-    if max_model_len is not None and max_model_len < 1:
-        raise UsageError(f"--max-model-len must be at least 1 (got {max_model_len})")
-    kv_bytes = None
-    if kv_cache_memory is not None:
-        try:
-            kv_bytes = parse_size(kv_cache_memory)
-        except ValueError as e:
-            raise UsageError(f"--kv-cache-memory: {e}") from None
     if config.device == "cuda":
         device_bytes = gpu_memory_bytes()
     else:
