@@ -211,3 +211,50 @@ def test_a_worker_and_its_core_dead_in_one_select_are_each_handled_once(home):
     assert all(sup.adapter.state_of(c) == "stopped" and c.last_exit == "exit 0" for c in pair)
     sup.control.close()
     sup.adapter.cleanup()
+
+
+def test_ps_marks_a_process_that_outlived_its_supervisor_as_orphaned(home):
+    """state.json of a supervisor that is gone: a process of its tree that still runs (its command line the
+    one state.json has) is shown orphaned, as it may hold memory; a stranger who got a pid number is not."""
+    from tests.vsup.stopped_deployment import stopped_deployment
+
+    run_dir = stopped_deployment(home, "left")
+    survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(61)"])
+    try:
+        state = json.loads(run_dir.state_file.read_text())
+        worker, core = (next(p for p in state["processes"] if p["role"] == role) for role in ("worker", "engine-core"))
+        worker.update(pid=survivor.pid, title=" ".join(survivor.args), state="ready")
+        core.update(pid=stranger.pid, state="ready")  # its title is the core's, not the stranger's command line
+        run_dir.write_state(state)
+        shown = ps("left")
+        assert shown["supervisor"]["live"] is False
+        states = {p["name"]: p["state"] for p in shown["processes"]}
+        assert states[worker["name"]] == "orphaned" and states[core["name"]] != "orphaned"
+        assert "orphaned" in vsup("ps", "--name", "left").stdout
+    finally:
+        for proc in (survivor, stranger):
+            proc.kill()
+            proc.wait()
+
+
+def test_ps_names_a_foreign_process_that_holds_memory_on_the_deployments_gpu(home, tmp_path):
+    """Who is left holding GPU memory: NVML (a stand-in at the boundary: this host has no GPU) says a worker
+    and a stranger hold memory on cuda:0; `vsup ps` gives the worker its memory and names the stranger."""
+    holders = tmp_path / "holders.json"
+    holders.write_text("[]")
+    stranger = subprocess.Popen(["sleep", "60"])
+    proc = start("gpu", tp=1, env={"FAKE_NVML_HOLDERS": str(holders)})
+    try:
+        worker = tree_pids(serving("gpu"))["worker dp0 pp0 tp0"]
+        holders.write_text(json.dumps([[worker, 1536 << 20], [stranger.pid, 1 << 30]]))
+        state = ps("gpu")
+        row = next(p for p in state["processes"] if p["name"] == "worker dp0 pp0 tp0")
+        assert row["device"] == "cuda:0" and row["device_memory_bytes"] == 1536 << 20
+        assert state["gpu_others"] == [{"pid": stranger.pid, "gpu": 0, "bytes": 1 << 30, "cmdline": "sleep 60"}]
+        text = vsup("ps", "--name", "gpu").stdout
+        assert f"cuda:0 is also held by pid {stranger.pid} (sleep 60): 1.0 GiB" in text and "1.5 GiB" in text, text
+    finally:
+        stop(proc)
+        stranger.kill()
+        stranger.wait()

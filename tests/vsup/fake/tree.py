@@ -1,6 +1,10 @@
-"""Run the real supervisor over a tree of stand-in processes: python tree.py NAME SHAPE [--max-restarts N]."""
+"""Run the real supervisor over a tree of stand-in processes: python tree.py NAME TP DP MAX_RESTARTS.
+
+With FAKE_NVML_HOLDERS set, the plan's workers are on CUDA and NVML is the stand-in of fake/nvml (the one
+thing faked: what the driver says of who holds GPU memory)."""
 
 import dataclasses
+import os
 import sys
 
 from vsup.cli.serve import supervise
@@ -12,8 +16,8 @@ from vsup.topology import ParallelConfig, plan
 CHILD = __file__.replace("tree.py", "child.py")
 
 
-def fake_plan(tp: int, dp: int):
-    real = plan(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp))
+def fake_plan(tp: int, dp: int, device: str = "cpu"):
+    real = plan(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, device=device))
     return dataclasses.replace(real, processes=tuple(dataclasses.replace(p, argv=(sys.executable, CHILD))
                                                      for p in real.processes))
 
@@ -26,7 +30,13 @@ if __name__ == "__main__":
     options = Options(model="fake", url="http://127.0.0.1:1",
                       restart_policy=RestartPolicy("on-failure", max_restarts=max_restarts),
                       startup_timeout=60, drain_timeout=5, stop_timeout=5)
-    code, message = supervise(fake_plan(tp, dp), run_dir, options, "text")
+    device = "cpu"
+    if os.environ.get("FAKE_NVML_HOLDERS"):
+        from vsup import devices
+
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "nvml"))  # (its pynvml first)
+        devices.NVIDIA_CTL, device = "/dev/null", "cuda"  # (a driver's device node: any file that exists)
+    code, message = supervise(fake_plan(tp, dp, device), run_dir, options, "text")
     if code:
         print(f"vsup serve: {message}", file=sys.stderr)
     sys.exit(code)
