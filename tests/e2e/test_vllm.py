@@ -188,6 +188,47 @@ def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
     vllm_deployment.wait_serving(timeout=START_S)
 
 
+def test_the_front_restarts_alone_after_kill_9_and_by_hand(vllm_deployment):
+    """vsup's front is a unit of its own: killed, or restarted by `vsup restart --role front` (after it drained),
+    it comes back on the same port while every process of the tree stays, and serves the next request."""
+    before = tree_pids(vllm_deployment.wait_serving(timeout=START_S))
+    reference = fault_free(vllm_deployment.client, 1, 8)
+
+    def front_back(old: int) -> dict:
+        return wait_for(lambda: (s := vllm_deployment.ps()) and (f := tree_pids(s).get("front")) and f != old
+                        and s["supervisor"]["state"] == "serving" and s, timeout=60, what="a new front")
+    os.kill(before["front"], signal.SIGKILL)
+    killed = front_back(before["front"])
+    assert {k: v for k, v in tree_pids(killed).items() if k != "front"} == \
+        {k: v for k, v in before.items() if k != "front"}  # the tree stayed
+    assert fault_free(vllm_deployment.client, 1, 8) == reference
+    result = vllm_deployment.vsup("restart", "--role", "front")
+    assert result.returncode == 0 and "front" in result.stdout, result.stderr
+    by_hand = front_back(tree_pids(killed)["front"])
+    front = next(p for p in by_hand["processes"] if p["name"] == "front")
+    assert front["restarts"] == 2 and by_hand["units"]["front"]["restarts"] == 2
+    assert {k: v for k, v in tree_pids(by_hand).items() if k != "front"} == \
+        {k: v for k, v in before.items() if k != "front"}
+    assert fault_free(vllm_deployment.client, 1, 8) == reference
+
+
+def test_restart_by_hand_of_a_role_restarts_the_whole_tree(vllm_deployment):
+    """`vsup restart --role worker` (not --rolling): vLLM cannot take one process back, so its whole tree
+    restarts, counted under the role; the front stays, and serves on the new tree."""
+    serving = vllm_deployment.wait_serving(timeout=START_S)
+    before, counted_before = tree_pids(serving), serving["units"]["vllm"]["by_role"].get("worker", 0)
+    result = vllm_deployment.vsup("restart", "--role", "worker")
+    assert result.returncode == 0 and "vllm" in result.stdout, result.stderr
+    state = wait_for(lambda: (s := vllm_deployment.wait_serving(timeout=START_S)) and
+                     tree_pids(s)["worker dp0 pp0 tp0"] != before["worker dp0 pp0 tp0"] and s, timeout=START_S,
+                     what="the tree restarted")
+    after = tree_pids(state)
+    assert after["front"] == before["front"]
+    assert all(after[name] != pid for name, pid in before.items() if name != "front")  # every process is new
+    assert state["units"]["vllm"]["by_role"]["worker"] == counted_before + 1
+    assert fault_free(vllm_deployment.client, 2, 8)
+
+
 def counted(client, i, n, seen: list):
     """A completion stream (the time of each chunk in `seen`); its finish reason and its tokens, as its usage
     says (a chunk may carry several: vLLM merges what its API server has not sent yet)."""

@@ -139,3 +139,16 @@ def test_a_rolling_restart_loses_no_request_and_always_serves(replicas, referenc
     assert after["front"] == before["front"]
     assert state["units"]["vllm r0"]["by_role"] == {"worker": 1}  # the kill above, no more
     assert not state["units"]["vllm r1"]["by_role"]
+
+
+def test_vsup_stop_ends_every_tree_and_the_front_and_exits_0(replicas):
+    """`vsup stop` (the module's last test: it ends the shared deployment): `vsup serve` exits 0 with every
+    process of both trees and the front gone, and ps says stopped."""
+    pids = tree_pids(replicas.wait_serving(timeout=400))
+    result = replicas.vsup("stop")
+    assert result.returncode == 0, result.stderr
+    code, _, err = replicas.proc.communicate(timeout=120)
+    assert code == 0, err
+    assert not [pid for pid in pids.values() if running(pid)]
+    state = replicas.ps()
+    assert state["supervisor"]["state"] == "stopped" and not state["supervisor"]["live"]

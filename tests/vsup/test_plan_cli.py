@@ -286,3 +286,24 @@ def test_plan_refuses_what_serve_refuses_with_one_line_naming_the_option(flags, 
     (tmp_path / "file").write_text("")
     serve = vsup("serve", "--device", "cpu", *flags, env=dict(os.environ, VSUP_HOME=str(tmp_path / "file" / "home")))
     assert serve.returncode == 2 and serve.stderr.replace("vsup serve", "vsup plan") == plan.stderr, serve
+
+
+def test_plan_takes_every_option_of_serve_and_says_which_do_not_change_it(tmp_path):
+    """A user who swaps `serve` for `plan` keeps the flags: every option of serve is one of plan's (one option
+    set, by construction); those that do not shape the tree say so in plan's --help, and are checked."""
+    from typer.main import get_command
+
+    from vsup.cli.main import make_app
+
+    commands = get_command(make_app()).commands
+    plans = {opt: p for p in commands["plan"].params for opt in p.opts}
+    missing = [opt for p in commands["serve"].params for opt in p.opts if opt not in plans]
+    assert not missing, missing
+    assert plans["--vllm-bin"].help.startswith("[serve's: checked, kept, no change to the plan]")
+    assert not plans["-tp"].help.startswith("[serve's")  # what shapes the tree is plan's own
+    taken = vsup("plan", "--engine", "vllm", "--device", "cpu", "--vllm-bin", str(tmp_path / "nowhere"), "--api-key",
+                 "k", "--port", "9000", "--restart-policy", "always", "--name", "other", "--json")
+    assert taken.returncode == 0, taken.stderr
+    assert json.loads(taken.stdout)["processes"][0]["name"] == "front"
+    refused = vsup("plan", "--device", "cpu", "--max-restarts", "-1")
+    assert refused.returncode == 2 and "--max-restarts" in refused.stderr  # checked as serve checks it

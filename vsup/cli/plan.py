@@ -4,12 +4,15 @@ import typer
 
 from vsup.cli import options
 from vsup.cli.parallel_flags import parallel_flags
+from vsup.cli.serve import check_serve_values, serve
+from vsup.cli.serve_options import with_serve_options
 from vsup.topology import ParallelConfig
 
 app = typer.Typer()
 
 
 @app.command(context_settings={"allow_extra_args": True})
+@with_serve_options(serve)
 @parallel_flags
 def plan(
     ctx: typer.Context,
@@ -26,18 +29,21 @@ def plan(
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
     cpu_reserve: options.CpuReserve = None,
     as_json: options.Json = False,
+    kept: dict | None = None,  # serve's own options (serve_options.py), checked as serve checks them
 ) -> None:
     """Predict the process tree and its count before launch: the same list `vsup serve` starts.
 
     Count = API servers + DP engine cores + DP x TP x PP workers (+ 1 coordinator when DP > 1).
     Each process's CPUs as `serve` would pin them on this machine (--cpu-reserve).
     With --engine vllm: the tree a stock `vllm serve` builds, by vLLM's rules (its helpers counted apart).
+    It takes every option of `serve`; those that do not change the plan are checked as serve checks them.
     """
     from vsup.cli.sizing import check_values, model_memory, split_engine_args
     from vsup.topology import plan as make_plan
 
     model, extra = split_engine_args(model, ctx.args, engine.value)
     check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)  # (serve's own, model or not)
+    check_serve_values(**(kept or {}))
 
     config = parallel  # (checked, its device resolved)
     if replicas != 1 or engine == options.EngineKind.vllm:  # (vsup.vllm is no import of a plain `vsup plan`)

@@ -79,8 +79,10 @@ def serve(
     model, extra = split_engine_args(model, ctx.args, engine.value)
     check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)  # (plan's too: before anything else)
     vllm = engine == options.EngineKind.vllm
-    check_flags(parallel, cluster_secret=cluster_secret, port=port, max_num_seqs=max_num_seqs)
-    policy = restart_policy_of(restart_policy, max_restarts, restart_max_delay)
+    check_cluster_secret(parallel, cluster_secret)
+    policy = check_serve_values(port=port, max_num_seqs=max_num_seqs, restart_policy=restart_policy,
+                                max_restarts=max_restarts, restart_max_delay=restart_max_delay,
+                                max_pending=max_pending, max_resumes=max_resumes, resume_timeout=resume_timeout)
     from vsup.vllm.args import check_replicas
 
     check_replicas(vllm, replicas, parallel)
@@ -103,8 +105,6 @@ def serve(
         from vsup.vllm.launch import FrontFlags, vllm_deployment
 
         resume_timeout = startup_timeout if resume_timeout is None else resume_timeout  # as long as a start may take
-        if max_pending < 0 or max_resumes < 0 or resume_timeout < 0:
-            raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
         check_supported(parallel, **{"--cluster-secret": bool(cluster_secret), "--dp-lockstep": dp_lockstep,
                                      "--max-grammar-bytes": max_grammar_bytes is not None,
                                      "--linear-dtype": linear_dtype != options.LinearDType.auto,
@@ -136,16 +136,26 @@ def serve(
     raise typer.Exit(code)
 
 
-def check_flags(parallel: ParallelConfig, *, cluster_secret: str | None, port: int, max_num_seqs: int) -> None:
-    """The checks of serve's own flags that need nothing but the flags."""
-    if (parallel.dp_address or parallel.master) and not cluster_secret:
-        flag = "--dp-address" if parallel.dp_address else "--nnodes"
-        raise UsageError(f"{flag} opens tcp ports to other nodes: give --cluster-secret (better: set "
-                         f"VSUP_CLUSTER_SECRET), the same on every node, so that only they can join")
+def check_serve_values(*, port: int, max_num_seqs: int, restart_policy: options.RestartPolicyOpt, max_restarts: int,
+                       restart_max_delay: float, max_pending: int, max_resumes: int, resume_timeout: float | None,
+                       **_):
+    """The value checks of serve's own flags, which need nothing but the flags (`plan` runs them on the ones
+    it keeps for serve); the RestartPolicy they make."""
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be between 1 and 65535 (got {port})")
     if max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be at least 1 (got {max_num_seqs})")
+    if max_pending < 0 or max_resumes < 0 or (resume_timeout or 0) < 0:
+        raise UsageError("--max-pending, --max-resumes and --resume-timeout cannot be negative")
+    return restart_policy_of(restart_policy, max_restarts, restart_max_delay)
+
+
+def check_cluster_secret(parallel: ParallelConfig, cluster_secret: str | None) -> None:
+    """What serve asks before it opens a port to other nodes (plan, which opens none, does not)."""
+    if (parallel.dp_address or parallel.master) and not cluster_secret:
+        flag = "--dp-address" if parallel.dp_address else "--nnodes"
+        raise UsageError(f"{flag} opens tcp ports to other nodes: give --cluster-secret (better: set "
+                         f"VSUP_CLUSTER_SECRET), the same on every node, so that only they can join")
 
 
 def restart_policy_of(policy: options.RestartPolicyOpt, max_restarts: int, max_delay: float):
