@@ -197,7 +197,7 @@ class EngineUnits:
 
     def last_words(self, unit: UnitId) -> list[str]:
         name = self.sup.lives[unit].culprit or self.members[unit][0].spec.name
-        return list(self.sup.router.last_stderr.get(name, []))
+        return self.sup.router.last_lines(name)
 
     # the deployment
 

@@ -129,6 +129,15 @@ class LogRouter(threading.Thread):
         self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
         self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
+    def last_lines(self, name: str) -> list[str]:
+        """From any thread: the last stderr lines and logged errors of process `name` (for its exit message)."""
+        for _ in range(3):
+            try:
+                return list(self.last_stderr.get(name, ()))
+            except RuntimeError:  # (this thread appended to it meanwhile)
+                continue
+        return []
+
     def emit(self, record: dict) -> None:
         self.emit_all([record])
 

@@ -389,7 +389,7 @@ class VllmUnits:
         for dead in {id(proc): proc, id(cause): cause}.values():
             if dead.last_exit is not None:
                 self.history.setdefault(tree.name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
-        exit = cause.last_exit or f"stopped by {tree.name_of(proc)} ({proc.last_exit})"
+        exit = cause.last_exit or f"stopped {tree.name_of(proc)} ({proc.last_exit})"  # (it told it to: it is the cause)
         tree.blame = (name, cause.spec.role if isinstance(cause, Child) else cause.role)
         # (a cause still running, which stopped the first to die, ends later; one not running any more whose
         # end was not seen yet is reaped later: either way the first death's pid stands for it)
@@ -474,11 +474,11 @@ class VllmUnits:
 
     def last_words(self, unit: UnitId) -> list[str]:
         if unit == self.front_id:
-            return list(self.sup.router.last_stderr.get(FRONT, []))
+            return self.sup.router.last_lines(FRONT)
         tree = self.by_id[unit]
         culprit = self.sup.lives[unit].culprit
         return [line for key in dict.fromkeys(filter(None, (culprit, tree.root.spec.name)))
-                for line in list(self.sup.router.last_stderr.get(key, []))[-8:]]
+                for line in self.sup.router.last_lines(key)[-8:]]
 
     # the deployment
 
