@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +27,8 @@ import pytest
 
 from tests.e2e.vllm_served import NATIVE, POISON, START_S, fault_free, in_flight, plan_names, running, tree_pids
 from tests.polling import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 # each test starts or restarts a vLLM tree once or more (about 45 s each on two idle cores, up to 4 minutes
 # while the other xdist worker is busy): the default 300 s per test is too tight
@@ -186,6 +190,29 @@ def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
     assert any("no token for" in json.loads(line).get("why", "") for line in lines.splitlines())
     assert state["units"]["vllm"]["restarts"] >= 1
     vllm_deployment.wait_serving(timeout=START_S)
+
+
+def test_the_vllm_dashboard_queries_what_a_real_scrape_of_the_front_has(vllm_deployment):
+    """docs/grafana/vsup-vllm-dashboard.json: every metric its panels query (vLLM's and the front's), and every
+    label they group by, is in a real scrape of vsup's front over a tree that served requests."""
+    dashboard = json.loads((REPO / "docs" / "grafana" / "vsup-vllm-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 8
+    vllm_deployment.wait_serving(timeout=START_S)
+    fault_free(vllm_deployment.client, 2, 8)
+    labels: dict[str, set[str]] = {}
+    for line in httpx.get(f"http://127.0.0.1:{vllm_deployment.port}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels.setdefault(name.split(" ")[0], set()).update(
+                re.findall(r'(\w+)="', rest.partition("}")[0]) if rest else ())
+    for expr in exprs:
+        metrics = re.findall(r"\b((?:vllm:|vsup_)[\w:]+)", expr)
+        assert metrics, expr
+        for metric in metrics:
+            assert metric in labels, f"{metric} (in {expr}) is not in the front's /metrics"
+            for group in re.findall(r"by \(([\w, ]+)\)", expr):
+                assert {g.strip() for g in group.split(",")} - {"le"} <= labels[metric], (expr, labels[metric])
 
 
 def test_the_front_restarts_alone_after_kill_9_and_by_hand(vllm_deployment):
