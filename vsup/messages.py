@@ -10,8 +10,6 @@ from typing import Literal, TypeVar
 
 import msgspec
 
-COMMANDS = ("ps", "loads", "stop", "restart")
-
 
 class ControlRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """`vsup ps`, `stop`, `restart` (and the engine's API servers, for `loads`) to the supervisor."""

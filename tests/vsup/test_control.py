@@ -102,9 +102,8 @@ def test_a_trickling_client_holds_nothing_up_and_is_cut_at_the_timeout(server, m
     deadline = time.monotonic() + 10
     while not sent and time.monotonic() < deadline:
         server.loop.once(0.01)
-    started = time.monotonic()
-    assert ask(server, b'{"cmd": "ps"}\n')["supervisor"] == {"state": "serving"}  # answered meanwhile
-    assert time.monotonic() - started < 0.4 and not server.supervisor.logged
+    assert ask(server, b'{"cmd": "ps"}\n')["supervisor"] == {"state": "serving"}  # answered meanwhile,
+    assert not server.supervisor.logged  # before the trickler's timeout
     while not server.supervisor.logged and time.monotonic() < deadline:
         server.loop.once(0.01)
     assert "no whole line within 0.5 s" in server.supervisor.logged[0][2]["error"]
