@@ -254,6 +254,7 @@ def test_a_drain_then_sigterm_then_sigkill_at_each_deadline():
     life = Life("worker-group dp0", limits, Phase.READY, frozenset({1, 2}))
     life, actions = lc.step(life, lc.RestartAsked(How.DRAIN), 0.0)
     assert life.phase == Phase.DRAINING and life.deadline == 30.0 and lc.Notify(Note.DRAIN) in actions
+    assert life.why == "vsup restart"  # what its engine core is told when its workers go
     assert lc.step(life, lc.Timer(), 29.9) == (life, [])  # not yet
     life, actions = lc.step(life, lc.Timer(), 30.0)
     assert life.phase == Phase.ENDING and life.deadline == 40.0 and lc.Signal() in actions

@@ -126,6 +126,27 @@ def test_restart_now_takes_the_crash_path(home):
         stop(proc)
 
 
+def test_a_restart_that_ends_during_the_stop_starts_nothing_again(home):
+    """SIGTERM while `vsup restart --role worker` waits for its workers to exit: the stop reaches the workers
+    last (after the API servers, which take 2 s here), so their restart ends first, and they must not be
+    spawned again under a supervisor that is stopping."""
+    proc = start("late", tp=1, env={"FAKE_LINGER": "api-server=2,worker=0.5"})
+    try:
+        serving("late")
+        assert vsup("restart", "--name", "late", "--role", "worker").returncode == 0
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = stop(proc)
+    finally:
+        stop(proc)
+    assert code == 0, err  # (a worker spawned late loads while the stop waits, and needs its SIGKILL)
+    records = [json.loads(line) for line in vsup("logs", "--name", "late", "--json").stdout.splitlines()]
+    said = [(r["event"], r.get("process")) for r in records if r.get("name") == "supervisor"]
+    stopping = said.index(("stopping", None))
+    assert ("restarting gracefully", "worker-group dp0") in said[:stopping]
+    assert ("process stopped", "worker dp0 pp0 tp0") in said[stopping:]  # the restart was under way
+    assert ("started", "worker dp0 pp0 tp0") not in said[stopping:]
+
+
 def test_sigterm_stops_everything_and_cleans_up(home):
     proc = start("calm")
     pids = tree_pids(serving("calm"))

@@ -278,9 +278,9 @@ def _down(life: Life, now: float, process: str | None, why: str, failure: bool =
 
 
 def _asked(life: Life, how: How, now: float) -> tuple[Life, list[Action]]:
+    life = replace(life, culprit=None, why="vsup restart")
     if how == How.NOW:
-        life = replace(life, phase=Phase.BACKOFF, deadline=now, restarts=life.restarts.asked(), culprit=None,
-                       why="vsup restart")
+        life = replace(life, phase=Phase.BACKOFF, deadline=now, restarts=life.restarts.asked())
         return life, [Kill(), Notify(Note.LOST), Log("restarting", fields=(("process", life.name),)), Save()]
     if how == How.DRAIN:
         life = replace(life, phase=Phase.DRAINING, deadline=now + life.limits.drain_s)

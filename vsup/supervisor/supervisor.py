@@ -100,7 +100,10 @@ class Supervisor:
 
     def carry_out(self, unit: UnitId, action: lc.Action) -> None:
         if isinstance(action, lc.Spawn):
-            self.adapter.spawn(unit)
+            if self.stopping:  # (a restart that ended while the stop had not reached this unit yet)
+                self.post(unit, lc.StopAsked(0.0))  # it does not start again: nothing runs, so it is stopped
+            else:
+                self.adapter.spawn(unit)
         elif isinstance(action, lc.Signal):
             self.adapter.signal(unit)
         elif isinstance(action, lc.Kill):

@@ -1,6 +1,7 @@
 """A stand-in for an engine process: says ready like one, writes to fd 2 like C code, then waits.
 
-FAKE_CRASH=1 makes it die at startup with a traceback, every time.
+FAKE_CRASH=PREFIX makes the processes whose name starts with it die at startup with a traceback, every time.
+FAKE_LINGER=PREFIX=SECONDS,... makes those take that long to exit on SIGTERM.
 """
 
 import json
@@ -28,6 +29,8 @@ except KeyError:
     import traceback
     traceback.print_exc()  # a traceback on stderr, not through the logger
 say("ready", role="liar", dp=99)  # the pipe's tag must win over what the child claims
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+linger = dict(item.split("=") for item in os.environ.get("FAKE_LINGER", "").split(",") if item)
+linger_s = next((float(s) for prefix, s in linger.items() if name.startswith(prefix)), 0.0)
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(linger_s), sys.exit(0)))
 while True:
     time.sleep(1)
