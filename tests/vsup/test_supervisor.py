@@ -147,6 +147,23 @@ def test_a_restart_that_ends_during_the_stop_starts_nothing_again(home):
     assert ("started", "worker dp0 pp0 tp0") not in said[stopping:]
 
 
+def test_a_process_quiet_at_its_start_is_named_with_what_it_said_last(home):
+    """A worker that says nothing for 6.5 s before it is ready (a cold torch import, a kernel build): at 5 s of
+    silence the supervisor names it, once, with its last line; the processes that are ready are not named."""
+    proc = start("quiet", tp=1, env={"FAKE_QUIET": "worker=6.5"})
+    try:
+        serving("quiet")
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+    records = [json.loads(line) for line in vsup("logs", "--name", "quiet", "--json").stdout.splitlines()]
+    said = [r for r in records if r.get("name") == "supervisor" and r["event"] == "still starting"]
+    assert [(r["process"], r["quiet_s"], r["last"]) for r in said] == [("worker dp0 pp0 tp0", 5, "KeyError: 'missing'")]
+    said_by_supervisor = [(r["event"], r.get("process")) for r in records if r.get("name") == "supervisor"]
+    assert said_by_supervisor.index(("still starting", "worker dp0 pp0 tp0")) < \
+        said_by_supervisor.index(("ready", "worker dp0 pp0 tp0"))  # while it started, not after
+
+
 def test_sigterm_stops_everything_and_cleans_up(home):
     proc = start("calm")
     pids = tree_pids(serving("calm"))

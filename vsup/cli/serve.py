@@ -89,7 +89,7 @@ def serve(
     run_dir = RunDir(name)
     run_dir.check()  # before the default model's conversion, the first process this starts
     port_socket = None if parallel.headless else bind_port(host, port)
-    model_dir = os.path.abspath(model) if model else default_model()
+    model_dir = os.path.abspath(model) if model else default_model(log_format.value, parallel)
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
                              gpu_memory_utilization, engine.value, extra, linear_dtype.value, kv_cache_dtype.value)
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
@@ -215,17 +215,30 @@ def bind_port(host: str, port: int):
     return sock
 
 
-def default_model() -> str:
-    """The default model's directory, converted on first use by the engine (progress on stderr). The engine
+def default_model(log_format: str, parallel: ParallelConfig) -> str:
+    """The default model's directory, converted on first use by the engine. Its log lines (JSON on stderr) are
+    tagged `model` and printed as the supervisor's console prints every line, in `log_format`. The engine
     checks its cache (writable, room for the conversion) before converting, and says what failed as the last
     line of its stdout: exit 2 for what the user can change, 1 for the rest."""
     import subprocess
 
-    result = subprocess.run([sys.executable, "-m", "engine.model.default_model"], stdout=subprocess.PIPE, text=True)
-    said = (result.stdout.strip().splitlines() or [""])[-1]
-    if result.returncode == 2:
+    from vsup.supervisor.log_format import tag_line
+    from vsup.supervisor.log_router import Console
+
+    proc = subprocess.Popen([sys.executable, "-m", "engine.model.default_model"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "VSUP_LOG_FORMAT": "json"})
+    console = Console(sys.stdout, log_format)
+    console.width = max(len(p.name) for p in make_plan(parallel).processes)  # as the tree's lines will be
+    tag = {"name": "model", "role": "model", "pid": proc.pid}
+    for line in proc.stderr:
+        if line.strip():
+            console.write([tag_line(line.rstrip("\n"), "stderr", tag)])
+    said = (proc.stdout.read().strip().splitlines() or [""])[-1]
+    code = proc.wait()
+    console.close()
+    if code == 2:
         raise UsageError(f"{said}; or give a MODEL directory")
-    if result.returncode != 0 or not said:
-        raise Failure(said if result.returncode == 1 and said else
-                      f"the default model could not be prepared (exit {result.returncode}); give a MODEL directory")
+    if code != 0 or not said:
+        raise Failure(said if code == 1 and said else
+                      f"the default model could not be prepared (exit {code}); give a MODEL directory")
     return said

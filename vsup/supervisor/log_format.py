@@ -91,7 +91,7 @@ def render(record: dict, width: int, color: bool) -> str:
     prefix = f"{name:<{width}} |"
     if color:
         prefix = f"\x1b[{COLORS.get(record.get('role'), 37)}m{prefix}\x1b[0m"
-    skip = {"ts", "level", "stream", "event", "exception", *TAG_FIELDS}
+    skip = {"ts", "level", "stream", "event", "exception", "logger", *TAG_FIELDS}  # (logger: JSON's, for queries)
     extras = " ".join(f"{k}={_short(v)}" for k, v in record.items() if k not in skip and v is not None)
     level = record.get("level")
     marker = f"{level.upper()} " if level in ("warning", "error", "critical") and record.get("stream") != "stderr" else ""

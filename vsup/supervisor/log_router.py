@@ -12,6 +12,7 @@ import queue
 import selectors
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, TextIO
@@ -127,6 +128,7 @@ class LogRouter(threading.Thread):
         self.stopping = False
         self.open_pipes = 0
         self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
+        self.last_said: dict[str, tuple[float, str]] = {}  # process name -> when (monotonic) and what it last said
         self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
     def last_lines(self, name: str) -> list[str]:
@@ -262,6 +264,7 @@ class LogRouter(threading.Thread):
         if self.on_load is not None and is_load_report(record):
             self.on_load(record)
             return False
+        self.last_said[record.get("name")] = (time.monotonic(), str(record.get("event"))[:80])
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON

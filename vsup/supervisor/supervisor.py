@@ -35,6 +35,7 @@ from vsup.supervisor.states import DeploymentState
 from vsup.supervisor.units import UnitId
 
 STOP = "stop"  # an inbox item: (STOP, reason)
+QUIET_S = 5.0  # a process that starts and says nothing for this long is named, with what it said last
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Supervisor:
         self.queue: deque[tuple[UnitId, lc.Event]] = deque()
         self.busy = False
         self.killed: list[str] = []  # what the stop had to SIGKILL
+        self.loop_started = time.monotonic()
+        self.quiet: dict[str, tuple[float, int]] = {}  # what quiet_starts said last of each process
         self.adapter = make_adapter(self)
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
@@ -138,6 +141,7 @@ class Supervisor:
         timeout = self.adapter.startup_timeout()
         if timeout is not None:
             self.loop.at(time.monotonic() + timeout, self.startup_timed_out)
+        self.loop.at(time.monotonic() + 1.0, self.quiet_starts)
         while not self.stopping:
             self.loop.once()
         self.shutdown()
@@ -158,6 +162,20 @@ class Supervisor:
             self.state = DeploymentState.SERVING
         elif not first:
             self.state = DeploymentState.RESTARTING
+
+    def quiet_starts(self) -> None:
+        """While the deployment starts, name each process that is not ready and has been quiet for QUIET_S
+        (a cold torch import, a kernel build, a slow disk): a person sees that it is still at work, and where."""
+        if self.state != DeploymentState.STARTING:
+            return
+        now = time.monotonic()
+        for name in self.adapter.late():
+            when, said = self.router.last_said.get(name, (self.loop_started, None))
+            stretch = int((now - when) // QUIET_S)  # once per QUIET_S of one silence
+            if stretch and self.quiet.get(name) != (when, stretch):
+                self.quiet[name] = (when, stretch)
+                self.log("still starting", process=name, quiet_s=stretch * int(QUIET_S), last=said)
+        self.loop.at(now + 1.0, self.quiet_starts)
 
     def startup_timed_out(self) -> None:
         if self.state == DeploymentState.STARTING:

@@ -2,6 +2,7 @@
 
 FAKE_CRASH=PREFIX makes the processes whose name starts with it die at startup with a traceback, every time.
 FAKE_LINGER=PREFIX=SECONDS,... makes those take that long to exit on SIGTERM.
+FAKE_QUIET=PREFIX=SECONDS,... makes those start that long, in silence, before they say ready.
 """
 
 import json
@@ -22,15 +23,21 @@ def say(event, **fields):
     print(json.dumps({"event": event, "level": "info", "timestamp": "2026-01-01T00:00:00Z", **fields}), flush=True)
 
 
+def seconds(variable: str) -> float:
+    """This process's figure in `variable` (PREFIX=SECONDS,...): 0 when no prefix is its name's."""
+    pairs = dict(item.split("=") for item in os.environ.get(variable, "").split(",") if item)
+    return next((float(s) for prefix, s in pairs.items() if name.startswith(prefix)), 0.0)
+
+
 os.write(2, f"native write from {name}\n".encode())  # what C code printing to stderr looks like
 try:
     {}["missing"]
 except KeyError:
     import traceback
     traceback.print_exc()  # a traceback on stderr, not through the logger
+time.sleep(seconds("FAKE_QUIET"))
 say("ready", role="liar", dp=99)  # the pipe's tag must win over what the child claims
-linger = dict(item.split("=") for item in os.environ.get("FAKE_LINGER", "").split(",") if item)
-linger_s = next((float(s) for prefix, s in linger.items() if name.startswith(prefix)), 0.0)
+linger_s = seconds("FAKE_LINGER")
 signal.signal(signal.SIGTERM, lambda *_: (time.sleep(linger_s), sys.exit(0)))
 while True:
     time.sleep(1)
