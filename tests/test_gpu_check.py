@@ -2,7 +2,7 @@
 
 The dry run downloads the wheels a GPU host lacks, for this Python (cached in .gpu-wheels-cpXY),
 installs them into a fresh target and imports everything from there, under a Python that has only
-the host's packages of this venv. These tests run it as the README says, then break it on purpose:
+the host's packages of this venv. These tests run it as docs/gpu.md says, then break it on purpose:
 a wheel missing from the folder, a package missing from the set.
 """
 

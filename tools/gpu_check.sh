@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path in one command, for the day a GPU host is lent (README: "On a GPU host").
+# The CUDA path in one command, for the day a GPU host is lent (docs/gpu.md).
 #
 #   bash tools/gpu_check.sh OUT             on the GPU host: the wheels into a fresh target, every import, the
 #                                           model, the CUDA tests (tests/gpu), the serving bench

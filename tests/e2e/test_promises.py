@@ -1,6 +1,6 @@
-"""README promises of `vsup serve` over the real engine (the tiny model), each shown with real processes:
-a taken port and a name already served are refused before anything starts; `ps`, `logs`, `stop` and
-`--help` never import torch; systemd hears READY=1 once it serves and STOPPING=1 on stop; SIGINT
+"""The promises of docs/operating.md for `vsup serve` over the real engine (the tiny model), each shown with
+real processes: a taken port and a name already served are refused before anything starts; `ps`, `logs`,
+`stop` and `--help` never import torch; systemd hears READY=1 once it serves and STOPPING=1 on stop; SIGINT
 drains like SIGTERM; a stop ends the API servers, the coordinator, then the engine cores and their
 workers; a stop that needs SIGKILL says so and exits 1; a drain that runs out cuts what
 is left and still stops cleanly; an API server's death costs only its own connections; a rank past

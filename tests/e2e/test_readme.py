@@ -1,84 +1,86 @@
-"""The README's commands, run as written, so that the README cannot drift from the code."""
+"""The README's tour and the docs' examples, run as written, so that what they show cannot drift from what
+vsup does."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.tour import README, by_process, mask, readme_examples, run_tour, shell, tour_env, tour_section, \
+    two_cpus
 from tests.local_deployment import free_port
-from tests.polling import wait_for
 
-README = Path(__file__).parents[2] / "README.md"
-BIN = str(Path(sys.executable).parent)
-
-
-def blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", README.read_text(), flags=re.S)
-
-
-def shell(command: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, env=env)
+DOCS = sorted((Path(__file__).parents[2] / "docs").glob("*.md"))
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from engine.model.default_model import default_model_dir
 
-    default_model_dir()  # the README's plan example reads it from the user's cache
-    return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "VSUP_HOME": str(tmp_path_factory.mktemp("home"))}
+    default_model_dir()  # the examples of a model directory read it from the user's cache
+    return tour_env(str(tmp_path_factory.mktemp("home")))
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the README's examples are of a 2-CPU host")
-def test_console_examples_print_what_the_readme_says(env):
-    """Each on two CPUs (taskset), as the README says: plan's CPU column depends on the host's CPUs."""
-    two = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
-    examples = []
-    for block in blocks("console"):
-        for chunk in block.split("$ ")[1:]:
-            command, *output = chunk.rstrip("\n").split("\n")
-            examples.append((command, "\n".join(output)))
-    assert len(examples) >= 2
+@pytest.mark.skipif(len(two_cpus().split(",")) < 2, reason="the examples are of a 2-CPU host")
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_docs_console_examples_print_what_they_say(doc, env):
+    """Each `console` block's `$ command` of a doc, on two CPUs (plan's CPU column depends on them); the
+    output compared exactly."""
+    examples = [(c.rstrip("\n").split("\n", 1) + [""])[:2]
+                for block in re.findall(r"```console\n(.*?)```", doc.read_text(), flags=re.S)
+                for c in block.split("$ ")[1:]]
     for command, expected in examples:
-        result = shell(f"taskset -c {two} {command}", env)
+        result = shell(command, env)
         printed = (result.stdout + result.stderr).rstrip("\n")
         assert [line.rstrip() for line in printed.splitlines()] == [line.rstrip() for line in expected.splitlines()], \
             command
 
 
+@pytest.mark.skipif(len(two_cpus().split(",")) < 2, reason="the tour is of a 2-CPU host")
 @pytest.mark.timeout(900)  # a start of up to 600 s on a slow machine, then the tour
-def test_the_quick_tour_does_what_it_says(env):
-    port = str(free_port())
-    tour = blocks("sh")[1].replace("8000", port)
-    commands = [c for c in re.sub(r"\\\n\s*", " ", tour).split("\n") if c.strip()]
-    python = next(i for i, c in enumerate(commands) if c.startswith('python -c "'))
-    end = next(i for i in range(python + 1, len(commands)) if commands[i].endswith('"'))  # the multi-line python
-    commands[python:end + 1] = ["\n".join(commands[python:end + 1])]
-    serve = subprocess.Popen(["vsup", "serve", "--port", port], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+def test_the_readme_tour_prints_what_it_shows(env):
+    """Every command of the tour, in order, beside a real `vsup serve`: each output equals the README's but
+    for what `mask` masks; `vsup serve`'s console, process by process (processes interleave as they run)."""
+    _, tour, _ = tour_section(README.read_text())
+    done = run_tour(env, tour, str(free_port()))
+    kinds = [kind for kind, _, _ in done]
+    assert kinds == ["console", "console", "sh", "console", "console", "console"], kinds
+    for kind, examples, results in done:
+        for example, result in zip(examples, results, strict=True):
+            assert result.returncode == 0, (example.command, result.stdout, result.stderr)
+            if kind == "sh":
+                continue
+            printed = mask(result.stdout + result.stderr)
+            if example.command.startswith("vsup serve"):
+                assert by_process(printed) == by_process(mask(example.output)), example.command
+            else:
+                assert printed == mask(example.output), example.command
+    answers = done[2][2]
+    assert "The capital of France is Paris." in answers[0].stdout  # curl's JSON
+    assert answers[1].stdout.strip() == "The capital of France is Paris."  # the OpenAI client's
 
-    def serving():
-        assert serve.poll() is None, serve.stdout.read()
-        return "serving" in shell("vsup ps", env).stdout.split("\n")[0]
 
-    try:
-        wait_for(serving, timeout=600, what="vsup serve serving (its --startup-timeout is 600 s)", interval=0.5)
-        results = {c.split()[0] + (" " + c.split()[1] if c.startswith("vsup") else ""): shell(c, env)
-                   for c in commands}
-        serve.wait(timeout=60)  # `vsup stop` returned: the supervisor is on its way out
-    finally:
-        if serve.poll() is None:
-            serve.terminate()
-        printed = serve.communicate(timeout=120)[0]
-    assert all(r.returncode == 0 for r in results.values()), results
-    assert "The capital of France is Paris." in results["curl"].stdout
-    assert results["python"].stdout.strip() == "The capital of France is Paris."
-    assert "serving SmolLM2-135M-Instruct" in results["vsup ps"].stdout
-    worker_lines = results["vsup logs"].stdout.splitlines()
-    assert worker_lines and all(line.startswith("worker dp0 pp0 tp0") for line in worker_lines)
-    assert results["vsup stop"].stdout.startswith("stopped default")
-    assert serve.returncode == 0, printed[-4000:]  # what the supervisor said of its end
+def test_the_mask_hides_only_what_changes_from_run_to_run():
+    """The mask itself: pids, uptimes, ports, CPU%, RSS, load and durations go; names, states, restarts, last
+    exits, CPUs, devices and device memory stay, so a wrong one fails the tour."""
+    shown = """default: serving M on http://127.0.0.1:8000 (supervisor pid 1, up 4s)
+NAME                     PID  STATE    UPTIME  RESTARTS  LAST EXIT  CPU%  CPUS  RSS       DEVICE  DEV MEM  LOAD
+└── worker dp0 pp0 tp0   11   ready    4s      1         -          3     0     1.0 GiB   cpu     1.6 GiB  forward 1%"""
+    same = """default: serving M on http://127.0.0.1:41234 (supervisor pid 9999, up 1m2s)
+NAME                     PID     STATE    UPTIME  RESTARTS  LAST EXIT  CPU%  CPUS  RSS        DEVICE  DEV MEM  LOAD
+└── worker dp0 pp0 tp0   123456  ready    1m2s    1         -          100   0     900.0 MiB  cpu     1.6 GiB  forward 0%"""
+    assert mask(shown) == mask(same)
+    for wrong in (same.replace("1.6 GiB", "64.8 MiB"), same.replace("  1         -", "  0         -"),
+                  same.replace("ready ", "failed"), same.replace("  0     900", "  1     900")):
+        assert mask(shown) != mask(wrong)
+    assert mask("worker dp0 pp0 tp0 | model loaded seconds=0.63 weight_bytes=651306240") == \
+        mask("worker dp0 pp0 tp0 | model loaded seconds=1.2 weight_bytes=651306240") != \
+        mask("worker dp0 pp0 tp0 | model loaded seconds=1.2 weight_bytes=1")
+
+
+def test_every_doc_the_readme_links_exists():
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert links and all((README.parent / link).is_file() for link in links), links

@@ -1,4 +1,4 @@
-"""vsup.jsonl rotates (README: at 16 MiB, five kept): the real writer on real files, with a small size."""
+"""vsup.jsonl rotates (docs/reference.md: at 16 MiB, five kept): the real writer on real files, with a small size."""
 
 import json
 
@@ -6,7 +6,7 @@ from vsup.supervisor.log_router import KEEP_FILES, ROTATE_BYTES, JsonlWriter
 
 
 def test_the_log_rotates_past_its_size_and_keeps_five_older_files(tmp_path):
-    assert (ROTATE_BYTES, KEEP_FILES) == (16 << 20, 5)  # what the README says
+    assert (ROTATE_BYTES, KEEP_FILES) == (16 << 20, 5)  # what docs/reference.md says
     path = tmp_path / "vsup.jsonl"
     writer = JsonlWriter(path, rotate_bytes=1000, keep=5)
     for i in range(400):  # ~40 bytes each: 16 rotations

@@ -158,7 +158,8 @@ def test_a_process_quiet_at_its_start_is_named_with_what_it_said_last(home):
     assert code == 0, err
     records = [json.loads(line) for line in vsup("logs", "--name", "quiet", "--json").stdout.splitlines()]
     said = [r for r in records if r.get("name") == "supervisor" and r["event"] == "still starting"]
-    assert [(r["process"], r["quiet_s"], r["last"]) for r in said] == [("worker dp0 pp0 tp0", 5, "KeyError: 'missing'")]
+    assert [(r["process"], r["quiet_s"], r["last"]) for r in said] == \
+        [("worker dp0 pp0 tp0", 5, "KeyError: 'missing'")]
     said_by_supervisor = [(r["event"], r.get("process")) for r in records if r.get("name") == "supervisor"]
     assert said_by_supervisor.index(("still starting", "worker dp0 pp0 tp0")) < \
         said_by_supervisor.index(("ready", "worker dp0 pp0 tp0"))  # while it started, not after

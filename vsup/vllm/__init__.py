@@ -1,5 +1,5 @@
 """`--engine vllm`: vsup's plan, names, flags and start-up hook for an unmodified `vllm serve`.
 
 Everything here but help.py is pure, and nothing imports vLLM: vLLM runs in an
-interpreter of its own (README.md, "A stock vLLM under vsup").
+interpreter of its own (docs/vllm.md).
 """
