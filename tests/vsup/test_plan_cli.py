@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.model_dirs import header_only_model
 
@@ -286,6 +288,34 @@ def test_plan_refuses_what_serve_refuses_with_one_line_naming_the_option(flags, 
     (tmp_path / "file").write_text("")
     serve = vsup("serve", "--device", "cpu", *flags, env=dict(os.environ, VSUP_HOME=str(tmp_path / "file" / "home")))
     assert serve.returncode == 2 and serve.stderr.replace("vsup serve", "vsup plan") == plan.stderr, serve
+
+
+VALUES = {  # each a value check's option, with values good and bad, as a user types them
+    "--kv-cache-memory": st.sampled_from(["1GiB", "512MiB", "4G", "12XB", "-5", "0", "1e3", "nan", "", "2 GiB"]),
+    "--max-model-len": st.sampled_from(["512", "1", "-1", "0", "8k", "100000000000"]),
+    "--gpu-memory-utilization": st.sampled_from(["0.9", "1", "0.01", "5", "nan", "inf", "0", "-0.5"]),
+    "--max-num-seqs": st.sampled_from(["1", "256", "0", "-3"]),
+    "--port": st.sampled_from(["8000", "1", "65535", "0", "65536", "-1"]),
+    "--max-restarts": st.sampled_from(["0", "5", "-1"]),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chosen=st.dictionaries(st.sampled_from(sorted(VALUES)), st.none(), min_size=1, max_size=3).flatmap(
+    lambda keys: st.fixed_dictionaries({k: VALUES[k] for k in keys})))
+def test_plans_exit_is_serves_verdict_on_the_values(chosen, tmp_path):
+    """Whatever values a user gives, `plan` refuses (exit 2, one line) exactly what `serve` refuses before it
+    looks at the machine, with the same line; what plan takes, serve takes too, and goes on to the run dir
+    (impossible here, so that it starts nothing)."""
+    flags = [part for option, value in chosen.items() for part in (option, value)]
+    plan = vsup("plan", "--device", "cpu", *flags)
+    (tmp_path / "file").write_text("")
+    serve = vsup("serve", "--device", "cpu", *flags, env=dict(os.environ, VSUP_HOME=str(tmp_path / "file" / "h")))
+    assert plan.returncode in (0, 2) and serve.returncode == 2 and "Traceback" not in plan.stderr + serve.stderr
+    if plan.returncode == 2:
+        assert serve.stderr.replace("vsup serve", "vsup plan") == plan.stderr and plan.stderr.count("\n") == 1
+    else:
+        assert "the run dir" in serve.stderr, (flags, serve.stderr)
 
 
 def test_plan_takes_every_option_of_serve_and_says_which_do_not_change_it(tmp_path):
