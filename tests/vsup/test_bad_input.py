@@ -226,7 +226,7 @@ def reached(world):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(vsup.cli.serve, "supervise", supervise)
-        patch.setattr(vsup.cli.serve, "default_model", lambda: str(world / "good"))
+        patch.setattr(vsup.cli.serve, "default_model", lambda *_: str(world / "good"))
         patch.setattr(vsup.vllm.launch, "serve_flags", lambda binary, env: Flags())
         patch.setattr(vsup.cli.ps, "time", SimpleNamespace(time=time.time, sleep=no_sleep))
         patch.setattr(vsup.log_query, "time", SimpleNamespace(time=time.time, sleep=no_sleep))

@@ -165,6 +165,62 @@ def test_a_process_quiet_at_its_start_is_named_with_what_it_said_last(home):
         said_by_supervisor.index(("ready", "worker dp0 pp0 tp0"))  # while it started, not after
 
 
+def test_the_probes_stay_live_through_a_restart_inside_and_ready_only_when_all_is(home):
+    """The kubelet's view of a pod (--probe-port): /livez is 200 from the start to the end, through a worker's
+    kill -9 and its group's restart (a failed liveness would have the kubelet restart the container, and a
+    LeaderWorkerSet recreate the whole group); /readyz is 503 while a unit starts or restarts, 200 otherwise."""
+    import httpx
+
+    from tests.local_deployment import free_port
+
+    port = free_port()
+    proc = start("probed", tp=1, env={"FAKE_QUIET": "worker=2", "FAKE_PROBE_PORT": str(port)})
+    seen = []
+
+    def probe():
+        live = httpx.get(f"http://127.0.0.1:{port}/livez", timeout=2)
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+        seen.append((live.status_code, ready.status_code, ready.text))
+        return seen[-1]
+    def starting():
+        try:
+            return proc.poll() is None and probe()[1] == 503
+        except httpx.ConnectError:  # (not bound yet: its supervisor is still importing)
+            return False
+    try:
+        wait_for(starting, what="the probes answering while it starts")
+        assert "not ready: " in seen[-1][2] and "worker-group dp0" in seen[-1][2]
+        wait_for(lambda: probe()[1] == 200, what="ready once serving")
+        before = len(seen)
+        os.kill(tree_pids(ps("probed"))["worker dp0 pp0 tp0"], signal.SIGKILL)
+        wait_for(lambda: probe()[1] == 503, timeout=5, what="not ready while the worker group restarts")
+        wait_for(lambda: probe()[1] == 200, what="ready again")
+        assert httpx.get(f"http://127.0.0.1:{port}/nothing", timeout=2).status_code == 404
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+    assert {live for live, _, _ in seen} == {200}  # live all along, through the restart
+    assert [ready for _, ready, _ in seen[before:]].count(503) >= 1 and seen[-1][1] == 200
+    with pytest.raises(httpx.ConnectError):  # the port went with the supervisor
+        httpx.get(f"http://127.0.0.1:{port}/livez", timeout=2)
+
+
+def test_liveness_fails_only_when_the_loop_stops_turning():
+    import socket
+
+    from vsup.supervisor.probes import STUCK_S, Probes
+
+    probes = Probes(socket.socket())
+    probes.publish(True, "serving")
+    assert probes.answer("/livez") == (200, "ok\n") and probes.answer("/readyz") == (200, "ok\n")
+    probes.beat -= STUCK_S
+    assert probes.answer("/livez")[0] == 503 and probes.answer("/readyz") == (200, "ok\n")
+    probes.publish(False, "restarting; not ready: worker-group dp0")
+    assert probes.answer("/livez")[0] == 200
+    assert probes.answer("/readyz") == (503, "restarting; not ready: worker-group dp0\n")
+    probes.server.server_close()
+
+
 def test_sigterm_stops_everything_and_cleans_up(home):
     proc = start("calm")
     pids = tree_pids(serving("calm"))

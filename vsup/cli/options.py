@@ -186,6 +186,11 @@ Name = Annotated[str, _option(
     "--name", help="The deployment: its run dir is $VSUP_HOME/NAME (default ~/.local/state/vsup/NAME).")]
 Host = Annotated[str, _option("--host", panel=SERVING, help="Address the API servers listen on.")]
 Port = Annotated[int, _option("--port", panel=SERVING, help="Port the API servers share.")]
+ProbePort = Annotated[Optional[int], _option(
+    "--probe-port", panel=SERVING, show_default=False,
+    help="Serve the kubelet's probes on this port of --host, with no API key: /livez (the supervisor's loop "
+         "turns; a restart inside it is no failure) and /readyz (every process of this node ready).  "
+         "[default: none]")]
 ApiKey = Annotated[Optional[str], _option(
     "--api-key", panel=SERVING, show_default=False,
     help="Require 'Authorization: Bearer KEY' on every /v1 route (passed to the API servers in the environment).")]

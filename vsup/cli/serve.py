@@ -39,6 +39,7 @@ def serve(
     cpu_reserve: options.CpuReserve = None,
     host: options.Host = "127.0.0.1",
     port: options.Port = 8000,
+    probe_port: options.ProbePort = None,
     name: options.Name = "default",
     api_key: options.ApiKey = None,
     served_model_name: options.ServedModelName = None,
@@ -80,7 +81,7 @@ def serve(
     check_values(max_model_len, kv_cache_memory, gpu_memory_utilization)  # (plan's too: before anything else)
     vllm = engine == options.EngineKind.vllm
     check_cluster_secret(parallel, cluster_secret)
-    policy = check_serve_values(port=port, max_num_seqs=max_num_seqs, restart_policy=restart_policy,
+    policy = check_serve_values(port=port, probe_port=probe_port, max_num_seqs=max_num_seqs, restart_policy=restart_policy,
                                 max_restarts=max_restarts, restart_max_delay=restart_max_delay,
                                 max_pending=max_pending, max_resumes=max_resumes, resume_timeout=resume_timeout)
     from vsup.vllm.args import check_replicas
@@ -89,6 +90,7 @@ def serve(
     run_dir = RunDir(name)
     run_dir.check()  # before the default model's conversion, the first process this starts
     port_socket = None if parallel.headless else bind_port(host, port)
+    probe_socket = None if probe_port is None else bind_port(host, probe_port, "--probe-port")
     model_dir = os.path.abspath(model) if model else default_model(log_format.value, parallel)
     _, memory = model_memory(model_dir, parallel, dtype.value, max_model_len, kv_cache_memory,
                              gpu_memory_utilization, engine.value, extra, linear_dtype.value, kv_cache_dtype.value)
@@ -98,7 +100,7 @@ def serve(
                        max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes)
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
-                  port_socket=port_socket)
+                  port_socket=port_socket, probe_socket=probe_socket)
     if vllm:
         from vsup.supervisor.vllm_units import VllmOptions
         from vsup.vllm.args import check_supported
@@ -138,11 +140,13 @@ def serve(
 
 def check_serve_values(*, port: int, max_num_seqs: int, restart_policy: options.RestartPolicyOpt, max_restarts: int,
                        restart_max_delay: float, max_pending: int, max_resumes: int, resume_timeout: float | None,
-                       **_):
+                       probe_port: int | None = None, **_):
     """The value checks of serve's own flags, which need nothing but the flags (`plan` runs them on the ones
     it keeps for serve); the RestartPolicy they make."""
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be between 1 and 65535 (got {port})")
+    if probe_port is not None and (not 1 <= probe_port <= 65535 or probe_port == port):
+        raise UsageError(f"--probe-port must be between 1 and 65535 and not --port (got {probe_port})")
     if max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be at least 1 (got {max_num_seqs})")
     if max_pending < 0 or max_resumes < 0 or (resume_timeout or 0) < 0:
@@ -196,9 +200,9 @@ def supervise(the_plan: Plan, run_dir, run, log_format: str, vllm=None) -> tuple
     return code, supervisor.message
 
 
-def bind_port(host: str, port: int):
-    """The public port's socket, bound before anything starts (refused when another program holds it) and
-    held by the supervisor; whatever serves the port listens on it (Options.port_socket)."""
+def bind_port(host: str, port: int, flag: str = "--port"):
+    """The public port's socket (or `flag`'s), bound before anything starts (refused when another program
+    holds it) and held by the supervisor; whatever serves the port listens on it (Options.port_socket)."""
     import socket
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -207,8 +211,8 @@ def bind_port(host: str, port: int):
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UsageError(f"--port {port} on --host {host} cannot be used ({e.strerror}); "
-                         f"choose another --port or stop what holds it") from None
+        raise UsageError(f"{flag} {port} on --host {host} cannot be used ({e.strerror}); "
+                         f"choose another {flag} or stop what holds it") from None
     except (TypeError, ValueError) as e:  # a name that cannot be encoded (UnicodeError is a ValueError)
         sock.close()
         raise UsageError(f"--host {host!r} is not an address ({e}); give an IP address or a host name") from None

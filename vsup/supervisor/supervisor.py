@@ -30,6 +30,7 @@ from vsup.supervisor.lifecycle import Life, Phase
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
 from vsup.supervisor.loop import Loop
+from vsup.supervisor.probes import BEAT_S, Probes
 from vsup.supervisor.restart_policy import RestartPolicy
 from vsup.supervisor.states import DeploymentState
 from vsup.supervisor.units import UnitId
@@ -52,6 +53,7 @@ class Options:
     # servers, vsup's front) gets this socket (--listen-fd), so a connection that waits to be accepted
     # outlives the death of any one of them, and one made while the only one restarts waits for it
     port_socket: socket.socket | None = None
+    probe_socket: socket.socket | None = None  # --probe-port's, bound by `vsup serve`: the kubelet's probes
 
 
 class Supervisor:
@@ -73,6 +75,7 @@ class Supervisor:
         self.adapter = make_adapter(self)
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
+        self.probes = Probes(options.probe_socket) if options.probe_socket is not None else None
 
     def log(self, event: str, level: str = "info", **fields) -> None:
         self.router.emit(supervisor_record(event, level, **fields))
@@ -142,6 +145,9 @@ class Supervisor:
         if timeout is not None:
             self.loop.at(time.monotonic() + timeout, self.startup_timed_out)
         self.loop.at(time.monotonic() + 1.0, self.quiet_starts)
+        if self.probes is not None:
+            self.probes.start()
+            self.publish_probes()
         while not self.stopping:
             self.loop.once()
         self.shutdown()
@@ -162,6 +168,13 @@ class Supervisor:
             self.state = DeploymentState.SERVING
         elif not first:
             self.state = DeploymentState.RESTARTING
+
+    def publish_probes(self) -> None:
+        """Every second, from the loop: it turns, and whether every unit of this node is ready (probes.py)."""
+        down = [str(u) for u, life in self.lives.items() if life.phase != Phase.READY]
+        ready = self.state == DeploymentState.SERVING and not down
+        self.probes.publish(ready, str(self.state) + (f"; not ready: {', '.join(down)}" if down else ""))
+        self.loop.at(time.monotonic() + BEAT_S, self.publish_probes)
 
     def quiet_starts(self) -> None:
         """While the deployment starts, name each process that is not ready and has been quiet for QUIET_S
@@ -235,6 +248,8 @@ class Supervisor:
                 self.message = f"stop needed SIGKILL for {', '.join(self.killed)} (--stop-timeout " \
                                f"{self.options.stop_timeout:g} s)"
         self.control.close()
+        if self.probes is not None:
+            self.probes.close()
         self.adapter.cleanup()
         if self.state == DeploymentState.STOPPING:
             self.state = DeploymentState.STOPPED

@@ -36,6 +36,10 @@ if __name__ == "__main__":
 
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "nvml"))  # (its pynvml first)
         devices.NVIDIA_CTL, device = "/dev/null", "cuda"  # (a driver's device node: any file that exists)
+    if os.environ.get("FAKE_PROBE_PORT"):  # as `vsup serve --probe-port` binds it
+        from vsup.cli.serve import bind_port
+
+        options.probe_socket = bind_port("127.0.0.1", int(os.environ["FAKE_PROBE_PORT"]), "--probe-port")
     code, message = supervise(fake_plan(tp, dp, device), run_dir, options, "text")
     if code:
         print(f"vsup serve: {message}", file=sys.stderr)
