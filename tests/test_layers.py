@@ -42,6 +42,7 @@ VSUP_LAYERS = [
     ["vsup.devices"],
     ["vsup.diagnosis", "vsup.printer"],
     ["vsup.vllm"],                                                         # a stock vLLM's flags, names and hook
+    ["vsup.k8s"],                                                          # Kubernetes: a pod's group, manifests
     ["vsup.supervisor", "vsup.front"],                                     # the two long-running parts
     ["vsup.cli"],
     ["vsup.__main__"],

@@ -33,10 +33,14 @@ OPTIONS = {  # each flag's parameter: its option in options.py, and the Parallel
 
 
 def parallel_config(values: dict) -> ParallelConfig:
-    """The ParallelConfig of these field values, its device resolved and checked on this node."""
-    from vsup.devices import check_devices, resolve_device
+    """The ParallelConfig of these field values, its device resolved and checked on this node; in a pod of a
+    LeaderWorkerSet, with the group's rank and addresses (vsup/k8s/lws.py)."""
+    import os
 
-    config = ParallelConfig(**{**values, "device": resolve_device(values["device"])})
+    from vsup.devices import check_devices, resolve_device
+    from vsup.k8s.lws import from_lws
+
+    config = ParallelConfig(**{**from_lws(values, os.environ), "device": resolve_device(values["device"])})
     check_devices(config.device, config.devices_per_node)
     return config
 
