@@ -104,15 +104,20 @@ def resolve_device(device: str) -> str:
 
 
 def check_devices(device: str, needed: int) -> None:
-    """Refuse a plan that needs more GPUs on this node than are visible."""
+    """Refuse to serve a plan that needs more GPUs on this node than are visible."""
+    short = devices_short(device, needed)
+    if short:
+        raise UsageError(f"--device cuda: {short}; lower -tp/-pp/-dp or --dp-size-local, or use --device cpu")
+
+
+def devices_short(device: str, needed: int) -> str | None:
+    """What this node lacks to run a plan's share (`plan` says it in a note; `serve` refuses), or None."""
     if device != "cuda":
-        return
+        return None
     visible = visible_gpu_count()
-    if needed > visible:
-        raise UsageError(
-            f"--device cuda: this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} "
-            f"{'is' if visible == 1 else 'are'} visible; lower -tp/-pp/-dp or --dp-size-local, "
-            f"or use --device cpu")
+    if needed <= visible:
+        return None
+    return f"this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} {'is' if visible == 1 else 'are'} visible"
 
 
 def _pci_numa_node(bus_id: str) -> int:

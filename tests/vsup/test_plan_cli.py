@@ -90,13 +90,17 @@ def test_mistakes_exit_2_with_one_line(flags, needle):
     assert needle in result.stderr
 
 
-def test_more_gpus_than_visible_is_refused():
-    import os
+def test_more_gpus_than_visible_is_planned_with_a_note_and_refused_by_serve(tmp_path):
+    """A plan is for the target, which need not be this machine: plan prints it and says in a note on stderr
+    that this node could not run it; serve refuses it, before anything starts."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
-    result = vsup("plan", "--device", "cuda", "-tp", "4", env=env)
-    assert result.returncode == 2
-    assert "needs 4 GPUs" in result.stderr and "2 are visible" in result.stderr
-    assert vsup("plan", "--device", "cuda", "-tp", "2", env=env).returncode == 0
+    result = vsup("plan", "--device", "cuda", "-tp", "4", "--json", env=env)
+    assert result.returncode == 0 and json.loads(result.stdout)["total"] == 6
+    assert result.stderr == "note: this node needs 4 GPUs (dp-size-local x tp x pp) but 2 are visible: " \
+                            "`vsup serve` would refuse this plan here\n"
+    assert vsup("plan", "--device", "cuda", "-tp", "2", env=env).stderr == ""
+    serve = vsup("serve", "--device", "cuda", "-tp", "4", env={**env, "VSUP_HOME": str(tmp_path)})
+    assert serve.returncode == 2 and "needs 4 GPUs" in serve.stderr and "2 are visible" in serve.stderr
 
 
 def test_auto_device_without_gpu_is_cpu():

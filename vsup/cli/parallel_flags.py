@@ -32,21 +32,26 @@ OPTIONS = {  # each flag's parameter: its option in options.py, and the Parallel
 }
 
 
-def parallel_config(values: dict) -> ParallelConfig:
-    """The ParallelConfig of these field values, its device resolved and checked on this node; in a pod of a
-    LeaderWorkerSet, with the group's rank and addresses (vsup/k8s/lws.py)."""
+def parallel_config(values: dict, target: bool = False) -> ParallelConfig:
+    """The ParallelConfig of these field values, its device resolved and, unless it is for a `target` other
+    than this node (plan), checked on this node; in a pod of a LeaderWorkerSet, with the group's rank and
+    addresses (vsup/k8s/lws.py)."""
     import os
 
     from vsup.devices import check_devices, resolve_device
     from vsup.k8s.lws import from_lws
 
     config = ParallelConfig(**{**from_lws(values, os.environ), "device": resolve_device(values["device"])})
-    check_devices(config.device, config.devices_per_node)
+    if not target:
+        check_devices(config.device, config.devices_per_node)
     return config
 
 
-def parallel_flags(command):
-    """Give `command` the parallel flags in place of its `parallel` parameter."""
+def parallel_flags(command=None, *, target: bool = False):
+    """Give `command` the parallel flags in place of its `parallel` parameter (`@parallel_flags`, or
+    `@parallel_flags(target=True)` for a plan of a machine that need not be this one)."""
+    if command is None:
+        return functools.partial(parallel_flags, target=target)
     defaults = {f.name: f.default for f in fields(ParallelConfig)} | {"device": options.Device.auto}
     flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option, default=defaults[field])
              for name, (option, field) in OPTIONS.items()]
@@ -59,7 +64,7 @@ def parallel_flags(command):
     def with_flags(*args, **kwargs):
         values = {field: kwargs.pop(name) for name, (_, field) in OPTIONS.items()}
         values["device"] = getattr(values["device"], "value", values["device"])
-        return command(*args, parallel=parallel_config(values), **kwargs)
+        return command(*args, parallel=parallel_config(values, target), **kwargs)
 
     with_flags.__signature__ = signature.replace(parameters=params)
     with_flags.__annotations__ = {p.name: p.annotation for p in params}

@@ -13,7 +13,7 @@ app = typer.Typer()
 
 @app.command(context_settings={"allow_extra_args": True})
 @with_serve_options(serve)
-@parallel_flags
+@parallel_flags(target=True)
 def plan(
     ctx: typer.Context,
     model: options.Model = None,
@@ -79,6 +79,11 @@ def plan(
         typer.echo(render_plan(the_plan, placement))
         if memory is not None:
             typer.echo(render_memory(shape, memory, max_model_len))
+    from vsup.devices import devices_short
+
+    short = devices_short(config.device, config.devices_per_node)
+    if short:  # a plan is for the target: only serve needs the devices
+        typer.echo(f"note: {short}: `vsup serve` would refuse this plan here", err=True)
 
 
 def placement_of(the_plan, cpu_reserve: int | None) -> dict:
