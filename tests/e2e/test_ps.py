@@ -114,9 +114,9 @@ def test_ps_watch_redraws_the_tree_in_place_under_tmux(serve):
 
 
 def test_the_grafana_dashboard_queries_what_a_real_scrape_has(serve):
-    """docs/grafana/vsup-dashboard.json: every metric its panels query, and every label they group by, is
+    """vsup/grafana/vsup-dashboard.json: every metric its panels query, and every label they group by, is
     in a real /metrics scrape of a DP=2 deployment that served requests."""
-    dashboard = json.loads((REPO / "docs" / "grafana" / "vsup-dashboard.json").read_text())
+    dashboard = json.loads((REPO / "vsup" / "grafana" / "vsup-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(exprs) >= 12
     s = serve("-dp", "2")

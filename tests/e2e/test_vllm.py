@@ -193,9 +193,9 @@ def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
 
 
 def test_the_vllm_dashboard_queries_what_a_real_scrape_of_the_front_has(vllm_deployment):
-    """docs/grafana/vsup-vllm-dashboard.json: every metric its panels query (vLLM's and the front's), and every
+    """vsup/grafana/vsup-vllm-dashboard.json: every metric its panels query (vLLM's and the front's), and every
     label they group by, is in a real scrape of vsup's front over a tree that served requests."""
-    dashboard = json.loads((REPO / "docs" / "grafana" / "vsup-vllm-dashboard.json").read_text())
+    dashboard = json.loads((REPO / "vsup" / "grafana" / "vsup-vllm-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(exprs) >= 8
     vllm_deployment.wait_serving(timeout=START_S)

@@ -166,6 +166,7 @@ VllmBin = Annotated[Optional[str], _option(
     help="The vllm executable for --engine vllm.  [default: vllm on PATH, else the project's .vllm-venv "
          "(make vllm)]")]
 
+K8S = "Kubernetes (plan --k8s)"
 SERVING = "Serving"
 SUPERVISION = "Supervision"
 
@@ -280,3 +281,33 @@ Watch = Annotated[bool, _option("-w", "--watch", help="Refresh in place until Ct
 Now = Annotated[bool, _option("--now", help="Restart at once, the way a crash would, without draining first.")]
 Flat = Annotated[bool, _option("--flat", help="One table row per process instead of the tree (no load column).")]
 Interval = Annotated[float, _option("--interval", help="Seconds between refreshes with --watch.")]
+
+K8s = Annotated[bool, _option(
+    "--k8s", panel=K8S,
+    help="Print the Kubernetes manifests of this plan as YAML: a Deployment and a Service on one node; a "
+         "LeaderWorkerSet (one pod per node) and a Service of its leaders on more. Every container runs "
+         "`vsup serve` with these flags; nothing of this machine is read.")]
+Image = Annotated[Optional[str], _option(
+    "--image", panel=K8S, show_default=False,
+    help="The container image (with vsup, and vLLM for --engine vllm).  [default: vsup:cpu or vsup:cuda, "
+         "built from the Containerfile]")]
+Namespace = Annotated[str, _option("--namespace", panel=K8S, help="The namespace of every object.")]
+Groups = Annotated[int, _option(
+    "--groups", panel=K8S,
+    help="How many copies of the whole deployment: the Deployment's replicas, or the LeaderWorkerSet's "
+         "groups (--replicas stays vsup's own: vLLM trees inside one pod).")]
+ModelPvc = Annotated[Optional[str], _option(
+    "--model-pvc", panel=K8S, show_default=False,
+    help="A PersistentVolumeClaim that holds the model, mounted read-only at /models: give MODEL as "
+         "/models/...")]
+ModelHostPath = Annotated[Optional[str], _option(
+    "--model-host-path", panel=K8S, show_default=False,
+    help="A directory of each node that holds the model, mounted read-only at /models: give MODEL as "
+         "/models/...")]
+PodCpus = Annotated[Optional[str], _option(
+    "--pod-cpus", panel=K8S, show_default=False,
+    help="CPU per pod, as Kubernetes spells it (8, 7500m).  [default: a core per worker, and one for the rest]")]
+PodMemory = Annotated[Optional[str], _option(
+    "--pod-memory", panel=K8S, show_default=False,
+    help="Memory per pod (32Gi).  [default: from the plan's arithmetic when MODEL is readable here, else "
+         "4Gi per worker and 1Gi per other process]")]

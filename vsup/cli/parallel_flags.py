@@ -32,16 +32,17 @@ OPTIONS = {  # each flag's parameter: its option in options.py, and the Parallel
 }
 
 
-def parallel_config(values: dict, target: bool = False) -> ParallelConfig:
+def parallel_config(values: dict, target: bool = False, leader: bool = False) -> ParallelConfig:
     """The ParallelConfig of these field values, its device resolved and, unless it is for a `target` other
     than this node (plan), checked on this node; in a pod of a LeaderWorkerSet, with the group's rank and
-    addresses (vsup/k8s/lws.py)."""
+    addresses (vsup/k8s/lws.py); as a group's `leader` sees them (plan --k8s)."""
     import os
 
     from vsup.devices import check_devices, resolve_device
-    from vsup.k8s.lws import from_lws
+    from vsup.k8s.lws import from_lws, leader_of
 
-    config = ParallelConfig(**{**from_lws(values, os.environ), "device": resolve_device(values["device"])})
+    values = leader_of(values) if leader else from_lws(values, os.environ)
+    config = ParallelConfig(**{**values, "device": resolve_device(values["device"])})
     if not target:
         check_devices(config.device, config.devices_per_node)
     return config
@@ -64,7 +65,8 @@ def parallel_flags(command=None, *, target: bool = False):
     def with_flags(*args, **kwargs):
         values = {field: kwargs.pop(name) for name, (_, field) in OPTIONS.items()}
         values["device"] = getattr(values["device"], "value", values["device"])
-        return command(*args, parallel=parallel_config(values, target), **kwargs)
+        leader = target and kwargs.get("k8s", False)  # plan --k8s: the group's leader pod
+        return command(*args, parallel=parallel_config(values, target, leader), **kwargs)
 
     with_flags.__signature__ = signature.replace(parameters=params)
     with_flags.__annotations__ = {p.name: p.annotation for p in params}

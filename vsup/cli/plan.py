@@ -1,5 +1,7 @@
 """`vsup plan`: the process tree and count a deployment will have, before launch."""
 
+import os
+
 import typer
 
 from vsup.cli import options
@@ -29,6 +31,14 @@ def plan(
     gpu_memory_utilization: options.GpuMemoryUtilization = 0.9,
     cpu_reserve: options.CpuReserve = None,
     as_json: options.Json = False,
+    k8s: options.K8s = False,
+    image: options.Image = None,
+    namespace: options.Namespace = "default",
+    groups: options.Groups = 1,
+    model_pvc: options.ModelPvc = None,
+    model_host_path: options.ModelHostPath = None,
+    pod_cpus: options.PodCpus = None,
+    pod_memory: options.PodMemory = None,
     kept: dict | None = None,  # serve's own options (serve_options.py), checked as serve checks them
 ) -> None:
     """Predict the process tree and its count before launch: the same list `vsup serve` starts.
@@ -62,11 +72,17 @@ def plan(
         the_plan = make_plan(config)
         placement = placement_of(the_plan, cpu_reserve)
     shape = memory = None
-    if model is not None:
+    if model is not None and not (k8s and not os.path.isdir(model)):  # (--k8s: MODEL is the container's path)
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
                                      gpu_memory_utilization, engine.value, extra, linear_dtype.value,
                                      kv_cache_dtype.value)
 
+    if k8s:
+        from vsup.cli.k8s import K8sFlags, manifests_yaml
+
+        flags = K8sFlags(image, namespace, groups, model_pvc, model_host_path, pod_cpus, pod_memory)
+        typer.echo(manifests_yaml(ctx, the_plan, memory, model, extra, flags), nl=False)
+        return
     if as_json:
         out = the_plan.to_json()
         if memory is not None:

@@ -28,6 +28,21 @@ def in_group(env: Mapping[str, str]) -> bool:
     return INDEX in env
 
 
+def group_size(values: dict) -> int:
+    """How many pods a group of these flags has: --nnodes, or -dp over --dp-size-local (rounded up)."""
+    if values.get("nnodes", 1) > 1:
+        return values["nnodes"]
+    dp, local = values.get("data_parallel_size", 1), values.get("data_parallel_size_local")
+    return -(-dp // local) if local else 1
+
+
+def leader_of(values: dict) -> dict:
+    """The flags as the group's leader sees them (`plan --k8s` plans for it): its address stands for the
+    one LWS will give."""
+    size = group_size(values)
+    return from_lws(values, {INDEX: "0", SIZE: str(size), LEADER: "$(LWS_LEADER_ADDRESS)"}) if size > 1 else values
+
+
 def from_lws(values: dict, env: Mapping[str, str]) -> dict:
     """The ParallelConfig field values of this pod: `values` (as the flags gave them) with the group's."""
     if not in_group(env):
@@ -47,8 +62,8 @@ def from_lws(values: dict, env: Mapping[str, str]) -> dict:
         if values.get("master_addr", "127.0.0.1") == "127.0.0.1":
             out["master_addr"] = leader
     elif local is not None and local < dp:
-        if dp % local or dp // local != size:
-            raise UsageError(f"-dp {dp} with --dp-size-local {local} makes {-(-dp // local)} nodes, but this "
+        if dp % local or group_size(values) != size:
+            raise UsageError(f"-dp {dp} with --dp-size-local {local} makes {group_size(values)} nodes, but this "
                              f"LeaderWorkerSet's group has {SIZE}={size} pods: make them equal")
         start = values.get("data_parallel_start_rank")
         if start not in (None, index * local):
