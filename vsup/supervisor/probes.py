@@ -5,7 +5,9 @@ none; serving stays behind --api-key). Every pod of a group answers them, the he
                  stays 200: the kubelet must never restart the container for it (under a LeaderWorkerSet
                  that would recreate the whole group). 503 when the loop has not turned for STUCK_S.
     GET /readyz  200 while this node's every unit is ready and the deployment serves (an idle pod is
-                 ready); 503 with what is not, as one line of text.
+                 ready); on a head whose DP ranks run on other nodes too, also while its API servers see
+                 every rank up (their /health `ok`: a lost node makes the head's pod unready); 503 with
+                 what is not, as one line of text.
 
 The answers are read from what the loop's thread last published (`Probes.publish`); this thread writes
 no supervisor state.
@@ -25,9 +27,12 @@ BEAT_S = 1.0
 class Probes:
     """The answers, published by the loop's thread, served by a thread of their own."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, health_url: str | None = None):
+        """`health_url`: the API servers' /health, asked at each /readyz (from this thread) when ranks run on
+        other nodes."""
         self.beat = time.monotonic()
         self.ready: tuple[bool, str] = (False, "starting")
+        self.health_url = health_url
         self.server = _Server(sock, self)
         self.thread = threading.Thread(target=self.server.serve_forever, name="probes", daemon=True)
 
@@ -45,8 +50,26 @@ class Probes:
             return (200, "ok\n") if quiet < STUCK_S else (503, f"the supervisor's loop is stuck ({quiet:.0f} s)\n")
         if path == "/readyz":
             ready, why = self.ready
+            if ready and self.health_url:
+                ready, why = self.ranks_up()
             return (200, "ok\n") if ready else (503, f"{why}\n")
         return 404, "the probes are /livez and /readyz\n"
+
+    def ranks_up(self) -> tuple[bool, str]:
+        """Whether the API servers see every DP rank up, and if not, what their /health says is down."""
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as reply:
+                body = json.loads(reply.read())
+        except OSError as e:  # (a 503 is an HTTPError, an OSError: its body says which ranks)
+            body = _json_body(e)
+            if body is None:
+                return False, f"the API servers' /health did not answer ({e})"
+        if body.get("status") == "ok":
+            return True, "ok"
+        return False, f"the API servers' /health says {body.get('status')}: {body.get('message') or ''}".strip()
 
     def close(self) -> None:
         self.server.shutdown()
@@ -75,3 +98,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args):  # the kubelet asks every few seconds: not a line each time
         pass
+
+
+def _json_body(error: OSError) -> dict | None:
+    import json
+
+    try:
+        return json.loads(error.read())  # an HTTPError's body
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -56,6 +56,11 @@ class Options:
     probe_socket: socket.socket | None = None  # --probe-port's, bound by `vsup serve`: the kubelet's probes
 
 
+def local_url(url: str) -> str:
+    """The serving URL as this host reaches it: 0.0.0.0 (every address) is 127.0.0.1."""
+    return url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+
+
 class Supervisor:
     """Runs one deployment until it is stopped or nothing is left to serve."""
 
@@ -75,7 +80,11 @@ class Supervisor:
         self.adapter = make_adapter(self)
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
-        self.probes = Probes(options.probe_socket) if options.probe_socket is not None else None
+        self.probes = None
+        if options.probe_socket is not None:  # a head with ranks on other nodes: its readiness asks /health too
+            ranks_elsewhere = options.port_socket is not None and any(p["role"] == "engine-core"
+                                                                      for p in self.adapter.remote())
+            self.probes = Probes(options.probe_socket, f"{local_url(options.url)}/health" if ranks_elsewhere else None)
 
     def log(self, event: str, level: str = "info", **fields) -> None:
         self.router.emit(supervisor_record(event, level, **fields))
