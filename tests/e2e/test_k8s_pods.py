@@ -111,3 +111,25 @@ def _dp1_busy(group: Group) -> bool:
 
     body = httpx.get(f"{group.url(0, 'http')}/health", timeout=5).json()
     return body["dp_ranks"].get("1", {}).get("num_in_flight", 0) > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_pod_whose_leader_is_gone_gives_up_within_health_timeout(lan, model, tmp_path):
+    """vLLM's headless nodes wait for a dead head forever (vLLM #32136), so LWS never rebuilds the group; a
+    vsup pod exits 1 once its head has not answered for --health-timeout, saying so, and leaves nothing."""
+    docs = manifests(model, "-dp", "2", "--dp-size-local", "1", "--api-server-count", "1", "--device", "cpu",
+                     "--kv-cache-memory", "4MiB", "--max-model-len", "256", "--health-timeout", "6", "--name", "lone")
+    group = Group(docs, lan, tmp_path, SECRET)
+    try:
+        group.start()
+        wait_for(lambda: group.ready(0) and group.ready(1), 180, "both pods ready")
+        lost_at = time.monotonic()
+        os.kill(group.pods[0].proc.pid, 9)
+        code = group.pods[1].proc.wait(timeout=60)
+        gave_up_s = time.monotonic() - lost_at
+        said = group.pods[1].proc.stderr.read()
+    finally:
+        group.close()
+    assert code == 1 and f"the head node at {lan.address(0)}:29550 has not answered" in said, said
+    assert 6 < gave_up_s < 6 + 2 * 2 + 10, gave_up_s  # its timeout, a probe period or two, the stop
+    wait_for(lambda: not lan.pids(1), 10, "nothing left in pod 1")

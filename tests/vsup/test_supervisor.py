@@ -221,6 +221,13 @@ def test_liveness_fails_only_when_the_loop_stops_turning():
     probes.server.server_close()
 
 
+def test_a_head_is_given_up_only_after_it_answered_once_and_then_not_for_the_timeout():
+    from vsup.supervisor.head_watch import head_lost
+
+    assert not head_lost(None, 1000.0, 30.0)  # never answered: the node may have started before its head
+    assert not head_lost(100.0, 130.0, 30.0) and head_lost(100.0, 130.1, 30.0)
+
+
 def test_sigterm_stops_everything_and_cleans_up(home):
     proc = start("calm")
     pids = tree_pids(serving("calm"))

@@ -218,7 +218,8 @@ StartupTimeout = Annotated[float, _option(
     "--startup-timeout", panel=SUPERVISION, help="Seconds every process gets to report READY.")]
 HealthTimeout = Annotated[float, _option(
     "--health-timeout", panel=SUPERVISION,
-    help="With --engine vllm: restart the tree when its /health has failed this many seconds while it was up.")]
+    help="With --engine vllm: restart the tree when its /health has failed this many seconds while it was up. "
+         "On a --headless node: give up (exit 1) when the head node has not answered for this many seconds.")]
 HangTimeout = Annotated[float, _option(
     "--hang-timeout", panel=SUPERVISION,
     help="With --engine vllm: restart the tree when requests are waiting and no token has come out for this "

@@ -29,6 +29,7 @@ from vsup.supervisor.control import ControlServer
 from vsup.supervisor.lifecycle import Life, Phase
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
+from vsup.supervisor.head_watch import HEAD, HeadWatch, head_lost
 from vsup.supervisor.loop import Loop
 from vsup.supervisor.probes import BEAT_S, Probes
 from vsup.supervisor.restart_policy import RestartPolicy
@@ -54,6 +55,8 @@ class Options:
     # outlives the death of any one of them, and one made while the only one restarts waits for it
     port_socket: socket.socket | None = None
     probe_socket: socket.socket | None = None  # --probe-port's, bound by `vsup serve`: the kubelet's probes
+    head: tuple[str, int] | None = None  # a headless node's head (host, port): given up after head_timeout
+    head_timeout: float = 30.0
 
 
 def local_url(url: str) -> str:
@@ -80,6 +83,8 @@ class Supervisor:
         self.adapter = make_adapter(self)
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
+        self.head_answered: float | None = None
+        self.head_watch = HeadWatch(options.head, self.loop.post) if options.head else None
         self.probes = None
         if options.probe_socket is not None:  # a head with ranks on other nodes: its readiness asks /health too
             ranks_elsewhere = options.port_socket is not None and any(p["role"] == "engine-core"
@@ -138,6 +143,8 @@ class Supervisor:
         """What another thread (or a signal handler) posted to the loop."""
         if isinstance(item, tuple) and item[0] == STOP:
             self.request_stop(item[1])
+        elif isinstance(item, tuple) and item[0] == HEAD:
+            self.heard_of_head(*item[1:])
         else:
             self.adapter.on_item(item)
 
@@ -154,6 +161,8 @@ class Supervisor:
         if timeout is not None:
             self.loop.at(time.monotonic() + timeout, self.startup_timed_out)
         self.loop.at(time.monotonic() + 1.0, self.quiet_starts)
+        if self.head_watch is not None:
+            self.head_watch.start()
         if self.probes is not None:
             self.probes.start()
             self.publish_probes()
@@ -177,6 +186,16 @@ class Supervisor:
             self.state = DeploymentState.SERVING
         elif not first:
             self.state = DeploymentState.RESTARTING
+
+    def heard_of_head(self, answered: bool, when: float) -> None:
+        """A headless node gives up once its head has not answered for --health-timeout (head_watch.py)."""
+        if answered:
+            self.head_answered = when
+        elif head_lost(self.head_answered, when, self.options.head_timeout) and not self.stopping:
+            host, port = self.options.head
+            self.fail(f"the head node at {host}:{port} has not answered for {when - self.head_answered:.0f} s "
+                      f"(--health-timeout {self.options.head_timeout:g}): giving up, so that what runs this node "
+                      f"starts it again with its head")
 
     def publish_probes(self) -> None:
         """Every second, from the loop: it turns, and whether every unit of this node is ready (probes.py)."""
@@ -257,6 +276,8 @@ class Supervisor:
                 self.message = f"stop needed SIGKILL for {', '.join(self.killed)} (--stop-timeout " \
                                f"{self.options.stop_timeout:g} s)"
         self.control.close()
+        if self.head_watch is not None:
+            self.head_watch.stop()
         if self.probes is not None:
             self.probes.close()
         self.adapter.cleanup()
