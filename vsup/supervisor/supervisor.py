@@ -26,10 +26,10 @@ from vsup.rundir import RunDir
 from vsup.supervisor import lifecycle as lc
 from vsup.supervisor import notify, units
 from vsup.supervisor.control import ControlServer
+from vsup.supervisor.head_watch import HEAD, HeadWatch, head_lost
 from vsup.supervisor.lifecycle import Life, Phase
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
-from vsup.supervisor.head_watch import HEAD, HeadWatch, head_lost
 from vsup.supervisor.loop import Loop
 from vsup.supervisor.probes import BEAT_S, Probes
 from vsup.supervisor.restart_policy import RestartPolicy
@@ -89,7 +89,8 @@ class Supervisor:
         if options.probe_socket is not None:  # a head with ranks on other nodes: its readiness asks /health too
             ranks_elsewhere = options.port_socket is not None and any(p["role"] == "engine-core"
                                                                       for p in self.adapter.remote())
-            self.probes = Probes(options.probe_socket, f"{local_url(options.url)}/health" if ranks_elsewhere else None)
+            health = f"{local_url(options.url)}/health" if ranks_elsewhere else None
+            self.probes = Probes(options.probe_socket, health)
 
     def log(self, event: str, level: str = "info", **fields) -> None:
         self.router.emit(supervisor_record(event, level, **fields))
