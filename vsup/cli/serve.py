@@ -82,8 +82,9 @@ def serve(
     vllm = engine == options.EngineKind.vllm
     check_cluster_secret(parallel, cluster_secret)
     policy = check_serve_values(port=port, probe_port=probe_port, max_num_seqs=max_num_seqs,
-                                restart_policy=restart_policy, max_restarts=max_restarts, restart_max_delay=restart_max_delay,
-                                max_pending=max_pending, max_resumes=max_resumes, resume_timeout=resume_timeout)
+                                restart_policy=restart_policy, max_restarts=max_restarts,
+                                restart_max_delay=restart_max_delay, max_pending=max_pending,
+                                max_resumes=max_resumes, resume_timeout=resume_timeout)
     from vsup.vllm.args import check_replicas
 
     check_replicas(vllm, replicas, parallel)
