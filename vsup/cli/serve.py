@@ -101,7 +101,7 @@ def serve(
                        max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes)
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
-                  port_socket=port_socket, probe_socket=probe_socket, head=head_of(parallel),
+                  port_socket=port_socket, probe_socket=probe_socket, head=head_of(parallel, port, probe_port),
                   head_timeout=health_timeout)
     if vllm:
         from vsup.supervisor.vllm_units import VllmOptions
@@ -140,17 +140,17 @@ def serve(
     raise typer.Exit(code)
 
 
-def head_of(parallel: ParallelConfig) -> tuple[str, int] | None:
-    """Where a headless node's head listens while it lives (vsup/supervisor/head_watch.py): the
-    coordinator's port at --dp-address, or the engine core's beside --master-port."""
-    from vsup.addresses import DP_PORTS, MASTER_PORTS, split_host_port
+def head_of(parallel: ParallelConfig, port: int, probe_port: int | None) -> tuple[str, int] | None:
+    """Where a headless node's head listens while it lives (vsup/supervisor/head_watch.py): the head's host
+    at --probe-port (every pod of a LeaderWorkerSet has it), else at --port, as every node is given the
+    same flags. Not a port of the engine's own: a core takes a connection that drops there for a peer's
+    death."""
+    from vsup.addresses import split_host_port
 
     if not parallel.headless:
         return None
-    if parallel.dp_address:
-        host, port = split_host_port(parallel.dp_address)
-        return host, port + DP_PORTS["coordinator-in"]
-    return parallel.master_addr, parallel.master_port + MASTER_PORTS["core-workers"]
+    host = split_host_port(parallel.dp_address)[0] if parallel.dp_address else parallel.master_addr
+    return host, probe_port or port
 
 
 def check_serve_values(*, port: int, max_num_seqs: int, restart_policy: options.RestartPolicyOpt, max_restarts: int,

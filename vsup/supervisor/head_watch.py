@@ -1,9 +1,11 @@
 """On a headless node: whether the head node still answers, so that a node whose head is gone gives up
 (exit 1: under a LeaderWorkerSet the group is recreated) instead of waiting for it forever (vLLM #32136).
 
-A thread connects to the head's port every PERIOD_S (a TCP handshake: the head's process listens there
-while it lives; a dead head refuses, a cut link times out) and posts what it found to the loop; it writes
-no supervisor state. `head_lost` is the decision, pure.
+A thread connects to the head's HTTP port (--probe-port, else --port) every PERIOD_S (a TCP handshake:
+the head's supervisor or API servers listen there while they live; a dead head refuses, a cut link times
+out) and posts what it found to the loop; it writes no supervisor state. Never an engine port: an engine
+core takes a connection that drops there for a remote worker's death. `head_lost` is the decision, pure.
+A head that never answers (one that listens on 127.0.0.1, or on another --port) is never given up.
 """
 
 from __future__ import annotations
