@@ -117,7 +117,8 @@ def devices_short(device: str, needed: int) -> str | None:
     visible = visible_gpu_count()
     if needed <= visible:
         return None
-    return f"this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} {'is' if visible == 1 else 'are'} visible"
+    are = "is" if visible == 1 else "are"
+    return f"this node needs {needed} GPUs (dp-size-local x tp x pp) but {visible} {are} visible"
 
 
 def _pci_numa_node(bus_id: str) -> int:

@@ -159,6 +159,7 @@ def test_the_container_command_is_what_serve_takes_in_the_pod(tmp_path):
     (["--model-pvc", "m", "/data/llama"], "give MODEL as /models/<its directory>"),
     (["--model-pvc", "m", "--model-host-path", "/srv", "/models/x"], "give one"),
     (["--groups", "0"], "--groups must be at least 1"),
+    (["-tp", "2", "--device", "auto"], "give --device cuda or --device cpu"),
     (["--name", "Big_Name"], "not a DNS-1035 label"),
     (["--engine", "vllm", "-tp", "2", "--nnodes", "2", "--device", "cuda"], "not supported with --engine vllm"),
 ])

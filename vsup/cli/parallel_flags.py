@@ -12,6 +12,7 @@ import inspect
 from dataclasses import fields
 
 from vsup.cli import options
+from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 
 OPTIONS = {  # each flag's parameter: its option in options.py, and the ParallelConfig field it sets
@@ -41,6 +42,8 @@ def parallel_config(values: dict, target: bool = False, leader: bool = False) ->
     from vsup.devices import check_devices, resolve_device
     from vsup.k8s.lws import from_lws, leader_of
 
+    if leader and values["device"] == "auto":
+        raise UsageError("--k8s plans for the cluster, not for this machine: give --device cuda or --device cpu")
     values = leader_of(values) if leader else from_lws(values, os.environ)
     config = ParallelConfig(**{**values, "device": resolve_device(values["device"])})
     if not target:
