@@ -75,8 +75,9 @@ class EngineUnits:
     def startup_timeout(self) -> float:
         return self.sup.options.startup_timeout
 
-    def late(self) -> list[str]:
-        return [c.spec.name for c in self.children if not c.ready]
+    def late(self, running_only: bool = False) -> list[str]:
+        """The processes not ready yet (`running_only`: of those, the ones running, not a failed one's)."""
+        return [c.spec.name for c in self.children if not c.ready and (c.alive or not running_only)]
 
     def spawn(self, unit: UnitId) -> None:
         """Start the unit's processes that are not running (a worker group's may be, started with its engine

@@ -211,7 +211,7 @@ class Supervisor:
         if self.state != DeploymentState.STARTING:
             return
         now = time.monotonic()
-        for name in self.adapter.late():
+        for name in self.adapter.late(running_only=True):
             when, said = self.router.last_said.get(name, (self.loop_started, None))
             stretch = int((now - when) // QUIET_S)  # once per QUIET_S of one silence
             if stretch and self.quiet.get(name) != (when, stretch):

@@ -194,7 +194,7 @@ class VllmUnits:
     def startup_timeout(self) -> None:
         return None  # each tree has its own
 
-    def late(self) -> list[str]:
+    def late(self, running_only: bool = False) -> list[str]:
         return []
 
     def spawn(self, unit: UnitId) -> None:
