@@ -141,6 +141,18 @@ def test_the_containers_run_serve_with_the_plans_flags_and_no_secret_in_argv():
     assert all(pod_of(docs, leader)["enableServiceLinks"] is False for leader in (True, False))
 
 
+def test_a_config_files_values_are_written_out_not_its_path(tmp_path):
+    """The pod has no file of this machine: --config's values go into the command one by one, and so do
+    VSUP_* variables'."""
+    config = tmp_path / "vsup.toml"
+    config.write_text("max-model-len = 512\nport = 9000\n")
+    result = plan_k8s("--device", "cpu", "--config", str(config), env={"VSUP_MAX_NUM_SEQS": "64"})
+    command = pod_of(list(yaml.safe_load_all(result.stdout)))["containers"][0]["command"]
+    assert "--config" not in command and str(config) not in result.stdout
+    assert command[command.index("--max-model-len") + 1] == "512" and command[command.index("--port") + 1] == "9000"
+    assert command[command.index("--max-num-seqs") + 1] == "64"
+
+
 def test_the_container_command_is_what_serve_takes_in_the_pod(tmp_path):
     """The leader's command, run as `vsup plan` in a pod of that group (LWS's variables set), plans what the
     manifest's group runs: the flags are serve's own, the group's share read from the variables."""

@@ -1,9 +1,9 @@
 """`vsup plan --k8s`: the Target of vsup/k8s/manifests.py, from the plan and the flags as given.
 
 The containers' `vsup serve` flags are the ones this `plan` was given that `serve` takes (from the
-command line, `VSUP_*` variables or a --config file: each written out), minus what the pod sets itself
-(--host, --port, --probe-port, --log-format) and the secrets, which come from the Secret `<name>-secrets`
-through the environment, never argv.
+command line, `VSUP_*` variables or a --config file: each written out, never the file's path, which is
+this machine's), minus what the pod sets itself (--host, --port, --probe-port, --log-format) and the
+secrets, which come from the Secret `<name>-secrets` through the environment, never argv.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from vsup.cli.parallel_flags import OPTIONS as PARALLEL_OPTIONS
 from vsup.errors import UsageError
 from vsup.k8s.manifests import MOUNT, PROBE_PORT, Target, dashboard_text, manifests, to_yaml
 
-SET_BY_THE_POD = {"host", "port", "probe_port", "log_format", "headless"}
+SET_BY_THE_POD = {"host", "port", "probe_port", "log_format", "headless",
+                  "config"}  # (a file of this machine: its values are written out one by one instead)
 SECRETS = {"api_key": ("VSUP_API_KEY", "api-key"), "cluster_secret": ("VSUP_CLUSTER_SECRET", "cluster-secret")}
 GRAFANA = Path(__file__).parents[1] / "grafana"
 GIB = 1 << 30
