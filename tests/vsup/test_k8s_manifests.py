@@ -141,6 +141,14 @@ def test_the_containers_run_serve_with_the_plans_flags_and_no_secret_in_argv():
     assert all(pod_of(docs, leader)["enableServiceLinks"] is False for leader in (True, False))
 
 
+def test_a_pod_asks_for_the_gpus_of_every_tree_it_runs():
+    """vLLM's --replicas are trees inside one pod, each with its own GPUs: the pod asks for all of them."""
+    for replicas, gpus in (("1", 2), ("2", 4)):
+        docs = list(yaml.safe_load_all(plan_k8s("--engine", "vllm", "--device", "cuda", "-tp", "2", "--replicas",
+                                                replicas).stdout))
+        assert pod_of(docs)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+
+
 def test_a_config_files_values_are_written_out_not_its_path(tmp_path):
     """The pod has no file of this machine: --config's values go into the command one by one, and so do
     VSUP_* variables'."""

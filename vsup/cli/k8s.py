@@ -66,7 +66,8 @@ def manifests_yaml(ctx: typer.Context, the_plan, memory, model: str | None, extr
     drain, stop = params.get("drain_timeout") or 30.0, params.get("stop_timeout") or 10.0
     target = Target(
         name=name, namespace=f.namespace, image=f.image or f"vsup:{config.device}", groups=f.groups, nodes=nodes,
-        serve=tuple(argv), port=port, gpus=config.devices_per_node if config.device == "cuda" else 0,
+        serve=tuple(argv), port=port,
+        gpus=config.devices_per_node * (params.get("replicas") or 1) if config.device == "cuda" else 0,
         cpus=f.pod_cpus or str(_cpus(config.device, len(workers), len(on_leader))),
         memory=f.pod_memory or f"{_memory_gib(config.device, memory, len(workers), len(on_leader))}Gi",
         shm=f"{max(1, math.ceil(len(on_leader) / 4))}Gi",
