@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.tour import README, by_process, mask, readme_examples, run_tour, shell, tour_env, tour_section, \
-    two_cpus
+from tests.e2e.tour import README, by_process, mask, run_tour, shell, tour_env, tour_section, two_cpus
 from tests.local_deployment import free_port
 
 DOCS = sorted((Path(__file__).parents[2] / "docs").glob("*.md"))

@@ -211,14 +211,16 @@ def test_liveness_fails_only_when_the_loop_stops_turning():
     from vsup.supervisor.probes import STUCK_S, Probes
 
     probes = Probes(socket.socket())
-    probes.publish(True, "serving")
-    assert probes.answer("/livez") == (200, "ok\n") and probes.answer("/readyz") == (200, "ok\n")
-    probes.beat -= STUCK_S
-    assert probes.answer("/livez")[0] == 503 and probes.answer("/readyz") == (200, "ok\n")
-    probes.publish(False, "restarting; not ready: worker-group dp0")
-    assert probes.answer("/livez")[0] == 200
-    assert probes.answer("/readyz") == (503, "restarting; not ready: worker-group dp0\n")
-    probes.server.server_close()
+    try:
+        probes.publish(True, "serving")
+        assert probes.answer("/livez") == (200, "ok\n") and probes.answer("/readyz") == (200, "ok\n")
+        probes.beat -= STUCK_S
+        assert probes.answer("/livez")[0] == 503 and probes.answer("/readyz") == (200, "ok\n")
+        probes.publish(False, "restarting; not ready: worker-group dp0")
+        assert probes.answer("/livez")[0] == 200
+        assert probes.answer("/readyz") == (503, "restarting; not ready: worker-group dp0\n")
+    finally:
+        probes.server.server_close()
 
 
 def test_a_head_is_given_up_only_after_it_answered_once_and_then_not_for_the_timeout():

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import typer
 
+from vsup.cli import options
 from vsup.cli.parallel_flags import OPTIONS as PARALLEL_OPTIONS
 from vsup.errors import UsageError
 from vsup.k8s.manifests import MOUNT, PROBE_PORT, Target, dashboard_text, manifests, to_yaml
+from vsup.topology import WORKER
 
 SET_BY_THE_POD = {"host", "port", "probe_port", "log_format", "headless",
                   "config"}  # (a file of this machine: its values are written out one by one instead)
@@ -51,7 +53,7 @@ def manifests_yaml(ctx: typer.Context, the_plan, memory, model: str | None, extr
         raise UsageError(f"MODEL is read inside the container, where the model is mounted at {MOUNT}: give "
                          f"MODEL as {MOUNT}/<its directory> (got {model or 'none: the default model'})")
     config = the_plan.config
-    vllm = params.get("engine") == "vllm"
+    vllm = params.get("engine") == options.EngineKind.vllm.value
     nodes = len(the_plan.nodes())
     secrets = tuple(SECRETS[k] for k in SECRETS if params.get(k)) + \
         ((SECRETS["cluster_secret"],) if nodes > 1 and not params.get("cluster_secret") else ())
@@ -62,7 +64,7 @@ def manifests_yaml(ctx: typer.Context, the_plan, memory, model: str | None, extr
             "--host", "0.0.0.0", "--port", str(port), "--probe-port", str(PROBE_PORT), "--log-format", "json",
             *(["--", *extra] if extra else [])]
     on_leader = the_plan.on_node(0)
-    workers = [p for p in on_leader if p.role == "worker"]
+    workers = [p for p in on_leader if p.role == WORKER]
     drain, stop = params.get("drain_timeout") or 30.0, params.get("stop_timeout") or 10.0
     target = Target(
         name=name, namespace=f.namespace, image=f.image or f"vsup:{config.device}", groups=f.groups, nodes=nodes,

@@ -35,6 +35,7 @@ from vsup.supervisor.probes import BEAT_S, Probes
 from vsup.supervisor.restart_policy import RestartPolicy
 from vsup.supervisor.states import DeploymentState
 from vsup.supervisor.units import UnitId
+from vsup.topology import ENGINE_CORE
 
 STOP = "stop"  # an inbox item: (STOP, reason)
 QUIET_S = 5.0  # a process that starts and says nothing for this long is named, with what it said last
@@ -87,7 +88,7 @@ class Supervisor:
         self.head_watch = HeadWatch(options.head, self.loop.post) if options.head else None
         self.probes = None
         if options.probe_socket is not None:  # a head with ranks on other nodes: its readiness asks /health too
-            ranks_elsewhere = options.port_socket is not None and any(p["role"] == "engine-core"
+            ranks_elsewhere = options.port_socket is not None and any(p["role"] == ENGINE_CORE
                                                                       for p in self.adapter.remote())
             health = f"{local_url(options.url)}/health" if ranks_elsewhere else None
             self.probes = Probes(options.probe_socket, health)
