@@ -16,7 +16,8 @@ def tree_rows(processes: list, role=lambda p: p.role, group=lambda p: (p.r, p.dp
     """(branch prefix, process) rows: workers hang under their engine core (the same replica and DP rank,
     `group`). `plan` draws ProcessSpecs, `ps` its live rows (dicts, with their own `role` and `group`).
 
-    In-process mode has no engine core, so its workers hang under the API server."""
+    In-process mode has no engine core, so its workers hang under the API server; so do a vLLM's headless
+    node's, under its `vllm serve --headless` (the first of the node's processes, which starts them)."""
     workers = [p for p in processes if role(p) == WORKER]
     has_core = any(role(p) == ENGINE_CORE for p in processes)
     top = [p for p in processes if role(p) != WORKER]
@@ -29,7 +30,7 @@ def tree_rows(processes: list, role=lambda p: p.role, group=lambda p: (p.r, p.dp
         if role(parent) == ENGINE_CORE:
             children = [w for w in workers if group(w) == group(parent)]
         else:
-            children = [] if has_core else workers
+            children = [] if has_core or i > 0 else workers
         for j, child in enumerate(children):
             rows.append((("    " if last else "│   ") + ("└── " if j == len(children) - 1 else "├── "), child))
     return rows
@@ -56,7 +57,8 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
         lines.append("")
     lines.append(plan.formula)
     if plan.config.headless:
-        lines.append("(this node only: the API servers and the coordinator run on the head node)")
+        rest = "engine core" if plan.config.nnodes > 1 else "coordinator"
+        lines.append(f"(this node only: the API servers and the {rest} run on the head node)")
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ SHAPES = {  # name -> plan flags: our engine on one CPU node, DP across 2 pods, 
                         "--model-pvc", "models", "/models/llama-3-8b", "--pod-memory", "64Gi"],
     "vllm-tp2-cuda": ["--engine", "vllm", "--device", "cuda", "-tp", "2", "--namespace", "llm", "--groups", "2",
                       "--model-host-path", "/srv/models", "/models/qwen", "--", "--enable-prefix-caching"],
+    "vllm-tp4-2nodes-cuda": ["--engine", "vllm", "--device", "cuda", "-tp", "4", "--nnodes", "2",
+                             "--model-pvc", "models", "/models/llama-3-8b"],
 }
 
 
@@ -181,7 +183,7 @@ def test_the_container_command_is_what_serve_takes_in_the_pod(tmp_path):
     (["--groups", "0"], "--groups must be at least 1"),
     (["-tp", "2", "--device", "auto"], "give --device cuda or --device cpu"),
     (["--name", "Big_Name"], "not a DNS-1035 label"),
-    (["--engine", "vllm", "-tp", "2", "--nnodes", "2", "--device", "cuda"], "not supported with --engine vllm"),
+    (["--engine", "vllm", "-dp", "2", "--dp-size-local", "1"], "not supported with --engine vllm"),
 ])
 def test_a_manifest_that_cannot_work_is_refused_naming_the_flag(flags, says):
     result = plan_k8s("--device", "cpu", *flags) if "--device" not in flags else plan_k8s(*flags)

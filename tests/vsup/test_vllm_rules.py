@@ -16,7 +16,8 @@ from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 from vsup.front.metrics import merge_replicas
 from vsup.serve_flags import ServeFlags
-from vsup.vllm.args import GIB, check_replicas, cpu_kv_cache_gib, cpu_placement, serve_argv, serve_env, unknown_flags
+from vsup.vllm.args import (GIB, check_nodes, check_replicas, check_supported, cpu_kv_cache_gib, cpu_placement,
+                            serve_argv, serve_env, unknown_flags)
 from vsup.vllm.help import parse_flags
 from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
 from vsup.vllm.plan import tree_roots, vllm_plan
@@ -133,6 +134,54 @@ def test_vsup_flags_become_vllms():
     assert cpu_placement([0, 1, 2, 3], 0) == ([], [])  # CUDA: no CPU worker, no pinning
     with pytest.raises(UsageError, match="whole GiB"):
         cpu_kv_cache_gib(GIB // 2)
+
+
+def test_a_tree_across_nodes_is_split_by_vllms_rank_order():
+    """TP x PP ranks in order, `per node` each: node 0 has the API server, the engine core and its workers;
+    every other node its `vllm serve --headless` (a helper, named with its node), workers and tracker."""
+    head = vllm_plan(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, device="cuda"))
+    assert [(p.node, p.name, p.title, p.device) for p in head.processes] == [
+        (0, "front", "vsup::front", None), (0, "api-server a0", "vllm serve", None),
+        (0, "engine-core dp0", "VLLM::EngineCore", None),
+        (0, "worker dp0 pp0 tp0", "VLLM::Worker_PP0_TP0", "cuda:0"),
+        (0, "worker dp0 pp0 tp1", "VLLM::Worker_PP0_TP1", "cuda:1"),
+        (0, "helper resource-tracker", "multiprocessing.resource_tracker", None),
+        (1, "helper node1 vllm-serve", "vllm serve", None),
+        (1, "worker dp0 pp1 tp0", "VLLM::Worker_PP1_TP0", "cuda:0"),
+        (1, "worker dp0 pp1 tp1", "VLLM::Worker_PP1_TP1", "cuda:1"),
+        (1, "helper node1 resource-tracker", "multiprocessing.resource_tracker", None)]
+    assert [p.name for p in tree_roots(head)] == ["api-server a0"]
+    node = vllm_plan(ParallelConfig(tensor_parallel_size=4, nnodes=4, node_rank=3, headless=True))
+    assert [p.name for p in node.processes] == ["helper node3 vllm-serve", "worker dp0 pp0 tp3",
+                                                "helper node3 resource-tracker"]  # no front: it serves nothing
+    assert [p.name for p in tree_roots(node)] == ["helper node3 vllm-serve"]
+    many = vllm_plan(ParallelConfig(tensor_parallel_size=2, nnodes=2, api_server_count=2))
+    assert [p.name for p in many.processes][1:4] == ["helper vllm-serve", "api-server a0", "api-server a1"]
+
+
+def test_vsup_flags_across_nodes_become_vllms():
+    head = ParallelConfig(tensor_parallel_size=2, nnodes=2, master_addr="10.0.0.1", master_port=29501)
+    argv = " ".join(serve_argv("vllm", head, flags(uds="/run/v.sock")))
+    assert "--uds /run/v.sock --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29501" in argv
+    node = ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=1, headless=True, master_addr="10.0.0.1",
+                          api_server_count=2)
+    argv = serve_argv("vllm", node, flags(uds="/run/v.sock"))
+    assert "--headless --nnodes 2 --node-rank 1 --master-addr 10.0.0.1" in " ".join(argv)
+    assert "--uds" not in argv and "--api-server-count" not in argv  # (a headless node serves nothing)
+    # vLLM's own guess of its address (the hostname's, or a route to 8.8.8.8) is not the head's network
+    env = serve_env(head, flags(), [[0]], None, 0, ("10.0.0.7", "eth1"))
+    assert (env["VLLM_HOST_IP"], env["GLOO_SOCKET_IFNAME"]) == ("10.0.0.7", "eth1")
+    assert serve_env(ParallelConfig(), flags(), [[0]], None)["VLLM_HOST_IP"] == "127.0.0.1"
+    check_supported(head, **{"--cluster-secret": True})  # (it signs what the nodes' vsups tell each other)
+    with pytest.raises(UsageError, match="--cluster-secret not supported"):
+        check_supported(ParallelConfig(), **{"--cluster-secret": True})
+    with pytest.raises(UsageError, match="data parallel across nodes"):
+        check_supported(ParallelConfig(data_parallel_size=2, data_parallel_size_local=1, dp_address="h:1"))
+    check_nodes(head, 8081, 1)
+    with pytest.raises(UsageError, match="needs --probe-port PORT, the same on every node"):
+        check_nodes(head, None, 1)
+    with pytest.raises(UsageError, match="one vLLM tree spans the nodes"):
+        check_nodes(head, 8081, 2)
 
 
 def test_flags_are_checked_against_vllms_help():

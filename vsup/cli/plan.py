@@ -61,11 +61,12 @@ def plan(
 
         check_replicas(engine == options.EngineKind.vllm, replicas, config)
     if engine == options.EngineKind.vllm:
-        from vsup.vllm.args import check_supported
+        from vsup.vllm.args import check_nodes, check_supported
         from vsup.vllm.plan import vllm_plan
 
         check_supported(config, **{"--linear-dtype": linear_dtype != options.LinearDType.auto,
                                    "--kv-cache-dtype": kv_cache_dtype != options.KvCacheDType.auto})
+        check_nodes(config, True if k8s else (kept or {}).get("probe_port"), replicas)  # (every pod has one)
         the_plan = vllm_plan(config, replicas=replicas)
         placement = None
     else:

@@ -76,7 +76,8 @@ def snapshot(run_dir, replica: int | None = None) -> dict:
 
 
 def add_remote(state: dict) -> None:
-    """Other nodes' processes join the list, each `remote: <state>` of its DP rank in the API server's /health."""
+    """Other nodes' processes join the list, each `remote: <state>` of its DP rank in the API server's /health
+    (or, with a stock vLLM, as its node last told the head's vsup)."""
     remote = state.pop("remote", None) or []
     if not remote:
         return
@@ -84,7 +85,7 @@ def add_remote(state: dict) -> None:
     for p in remote:
         rank = ranks.get(str(p["dp"])) if ranks is not None else None
         state["processes"].append({**p, "pid": None, "restarts": rank["num_restarts"] if rank else 0,
-                                   "state": f"remote: {rank['state'] if rank else 'unknown'}",
+                                   "state": p.get("state") or f"remote: {rank['state'] if rank else 'unknown'}",
                                    "host": rank.get("node") if rank else None})
 
 

@@ -105,7 +105,7 @@ def serve(
                   head_timeout=health_timeout)
     if vllm:
         from vsup.supervisor.vllm_units import VllmOptions
-        from vsup.vllm.args import check_supported
+        from vsup.vllm.args import check_nodes, check_supported
         from vsup.vllm.launch import FrontFlags, vllm_deployment
 
         resume_timeout = startup_timeout if resume_timeout is None else resume_timeout  # as long as a start may take
@@ -113,6 +113,11 @@ def serve(
                                      "--max-grammar-bytes": max_grammar_bytes is not None,
                                      "--linear-dtype": linear_dtype != options.LinearDType.auto,
                                      "--kv-cache-dtype": kv_cache_dtype != options.KvCacheDType.auto})
+        check_nodes(parallel, probe_port, replicas)
+        if parallel.nnodes > 1:
+            run.group_secret = cluster_secret
+            if parallel.headless:
+                run.url = f"the head node at {parallel.master}"
         kv_cache_bytes = memory.stages[0].kv_cache_bytes if kv_cache_memory else None  # else vLLM's own default
         the_plan = vllm_deployment(parallel, replace(flags, kv_cache_bytes=kv_cache_bytes), vllm_bin, extra, api_key,
                                    FrontFlags(resume_timeout, max_pending, max_resumes), str(run_dir.path), replicas,

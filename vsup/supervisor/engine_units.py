@@ -67,6 +67,12 @@ class EngineUnits:
     def unit_extra(self, unit: UnitId) -> dict:
         return {}
 
+    def group_desk(self) -> None:
+        return None  # (our engine's nodes meet in its own links: engine/cluster.py)
+
+    def on_head(self, reply: dict) -> None:
+        pass
+
     # starting
 
     def before_start(self) -> None:

@@ -8,6 +8,8 @@ none; serving stays behind --api-key). Every pod of a group answers them, the he
                  ready); on a head whose DP ranks run on other nodes too, also while its API servers see
                  every rank up (their /health `ok`: a lost node makes the head's pod unready); 503 with
                  what is not, as one line of text.
+    GET /group   on the head of a stock vLLM across nodes: another node's signed report of its part, and
+                 this head's answer (group.py); 403 for a report that is not signed with the cluster secret.
 
 The answers are read from what the loop's thread last published (`Probes.publish`); this thread writes
 no supervisor state.
@@ -27,12 +29,12 @@ BEAT_S = 1.0
 class Probes:
     """The answers, published by the loop's thread, served by a thread of their own."""
 
-    def __init__(self, sock: socket.socket, health_url: str | None = None):
+    def __init__(self, sock: socket.socket, health_url: str | None = None, group=None):
         """`health_url`: the API servers' /health, asked at each /readyz (from this thread) when ranks run on
-        other nodes."""
+        other nodes; `group(query) -> (status, body)`: what answers /group, on this thread."""
         self.beat = time.monotonic()
         self.ready: tuple[bool, str] = (False, "starting")
-        self.health_url = health_url
+        self.health_url, self.group = health_url, group
         self.server = _Server(sock, self)
         self.thread = threading.Thread(target=self.server.serve_forever, name="probes", daemon=True)
 
@@ -45,6 +47,11 @@ class Probes:
         self.ready = (ready, why)
 
     def answer(self, path: str) -> tuple[int, str]:
+        path, _, query = path.partition("?")
+        if path == "/group" and self.group is not None:
+            from urllib.parse import parse_qsl
+
+            return self.group(dict(parse_qsl(query)))
         if path == "/livez":
             quiet = time.monotonic() - self.beat
             return (200, "ok\n") if quiet < STUCK_S else (503, f"the supervisor's loop is stuck ({quiet:.0f} s)\n")
@@ -88,7 +95,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
-        status, body = self.server.probes.answer(self.path.split("?")[0])
+        status, body = self.server.probes.answer(self.path)
         data = body.encode()
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; charset=utf-8")

@@ -10,7 +10,8 @@ An adapter says which units a plan has and what each one's limits are (`units`),
 and notifies a unit (`spawn`, `signal`, `kill`, `notify`), turns what it sees into events (`supervisor.post`
 from the loop's thread), says whether the deployment serves (`serving`), what `vsup restart` asks of
 which unit (`restarts`), in what order the stop goes (`stop_order`), and the processes of state.json
-(`rows`).
+(`rows`). Across nodes, it hears the head's answers on a headless node (`on_head`) and answers the other
+nodes on the head (`group_desk`: a stock vLLM's, group.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Options:
     probe_socket: socket.socket | None = None  # --probe-port's, bound by `vsup serve`: the kubelet's probes
     head: tuple[str, int] | None = None  # a headless node's head (host, port): given up after head_timeout
     head_timeout: float = 30.0
+    group_secret: str | None = None  # the cluster secret, with a stock vLLM across nodes: signs group.py's reports
 
 
 def local_url(url: str) -> str:
@@ -85,13 +87,13 @@ class Supervisor:
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
         self.head_answered: float | None = None
-        self.head_watch = HeadWatch(options.head, self.loop.post) if options.head else None
+        self.head_watch = HeadWatch(options.head, self.loop.post, options.group_secret) if options.head else None
         self.probes = None
         if options.probe_socket is not None:  # a head with ranks on other nodes: its readiness asks /health too
             ranks_elsewhere = options.port_socket is not None and any(p["role"] == ENGINE_CORE
                                                                       for p in self.adapter.remote())
             health = f"{local_url(options.url)}/health" if ranks_elsewhere else None
-            self.probes = Probes(options.probe_socket, health)
+            self.probes = Probes(options.probe_socket, health, self.adapter.group_desk())
 
     def log(self, event: str, level: str = "info", **fields) -> None:
         self.router.emit(supervisor_record(event, level, **fields))
@@ -189,10 +191,13 @@ class Supervisor:
         elif not first:
             self.state = DeploymentState.RESTARTING
 
-    def heard_of_head(self, answered: bool, when: float) -> None:
-        """A headless node gives up once its head has not answered for --health-timeout (head_watch.py)."""
+    def heard_of_head(self, answered: bool, when: float, reply: dict | None = None) -> None:
+        """A headless node gives up once its head has not answered for --health-timeout (head_watch.py); what
+        the head answered goes to the adapter."""
         if answered:
             self.head_answered = when
+            if reply is not None and not self.stopping:
+                self.adapter.on_head(reply)
         elif head_lost(self.head_answered, when, self.options.head_timeout) and not self.stopping:
             host, port = self.options.head
             self.fail(f"the head node at {host}:{port} has not answered for {when - self.head_answered:.0f} s "

@@ -55,6 +55,7 @@ class Tree:
     socket: str  # where its vLLM serves: the front's upstream, and where the supervisor asks /health and /metrics
     dir: Path  # its shm list and TMPDIR note
     plan: Plan
+    node: int = 0  # the node this supervisor runs on (its part of a tree that spans nodes)
     procs: dict[int, Observed] = field(default_factory=dict)
     gen: int = 0  # the tree's number among every tree started (the front resumes on another one)
     progress: Progress | None = None
@@ -73,7 +74,8 @@ class Tree:
         return pid is not None and (pid == self.root.pid or pid in self.procs)
 
     def specs(self, role: str | None = None) -> list:
-        return [p for p in self.plan.processes if p.r == self.r and p.role != FRONT and role in (None, p.role)]
+        return [p for p in self.plan.processes
+                if p.r == self.r and p.node == self.node and p.role != FRONT and role in (None, p.role)]
 
     # who is who
 
@@ -117,7 +119,7 @@ class Tree:
         """(role, ranks, vsup name) of a process that `role` says it is; no name while it is a worker
         of a plan with several and its ranks are not known yet."""
         if role.role == names.HELPER:
-            return names.HELPER, {}, helper_name(RESOURCE_TRACKER, self.r)
+            return names.HELPER, {}, helper_name(RESOURCE_TRACKER, self.r, self.node)
         if not role.settled:
             workers = self.specs(WORKER)
             if len(workers) != 1:

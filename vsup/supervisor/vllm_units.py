@@ -21,6 +21,13 @@ With `--replicas N` there are N trees (vllm_replica.py), each a unit of its own:
 a death ends and restarts its tree only, while the front sends that tree's
 requests on to the others. `vsup restart --rolling` drains and restarts them one
 at a time.
+
+Across nodes (`--nnodes`) each node's vsup runs its part of the one tree: the head
+its `vllm serve` with the front, every other node its `vllm serve --headless`, with
+no front and nothing to ask /health of. The parts follow each other through the
+head's --probe-port (group.py): a headless part is ready once the head serves with
+it, and restarts when the head's tree went; the head restarts its tree when a
+node's part went.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from vsup.messages import Hello, TreeNews, encode_line
 from vsup.supervisor import lifecycle as lc
 from vsup.supervisor.child import Child
 from vsup.supervisor.control import listen_unix
+from vsup.supervisor.group import FOLLOWS, Head, Members, Part, Report, read_report
 from vsup.supervisor.lifecycle import How, Limits, Note, Phase
 from vsup.supervisor.log_format import now_iso
 from vsup.supervisor.states import ProcessState
@@ -72,15 +80,21 @@ class VllmUnits:
 
     def __init__(self, sup, plan: Plan, vllm: VllmOptions):
         self.sup, self.plan, self.vllm = sup, plan, vllm
+        self.node, self.headless = plan.config.node_rank, plan.config.headless
         self.front_id = UnitId.front()
-        self.front = Child(next(p for p in plan.processes if p.role == FRONT), self.front_id)
+        self.front = None if self.headless else Child(next(p for p in plan.processes if p.role == FRONT),
+                                                      self.front_id)
         self.trees: list[Tree] = []
         for spec in tree_roots(plan):
             root = Child(spec, UnitId.vllm_tree(spec.r))
             tree_dir = Path(addresses.replica_dir(str(sup.run_dir.path), spec.r))
             tree_dir.mkdir(mode=0o700, exist_ok=True)
             self.trees.append(Tree(spec.r, root, root.unit, addresses.vllm_socket(str(sup.run_dir.path), spec.r),
-                                   tree_dir, plan))
+                                   tree_dir, plan, self.node))
+        # across nodes (group.py): the head's view of the other nodes' parts, and what it answers them (read
+        # by the probes' thread); a headless node's view of its head
+        self.members, self.head_answer, self.reports = Members(), Head(0, False), {}
+        self.part, self.last_head, self.refused = Part(), None, False
         self.by_id = {t.id: t for t in self.trees}
         self.gens = itertools.count(1)  # every tree started gets the next: the front resumes on another one
         self.front_w: int | None = None
@@ -102,15 +116,20 @@ class VllmUnits:
 
     def units(self) -> dict[UnitId, Limits]:
         o = self.sup.options
-        front = Limits(o.restart_policy, o.drain_timeout, o.stop_timeout)
-        return {self.front_id: front, **{t.id: Limits(o.restart_policy, o.drain_timeout, o.stop_timeout,
-                                                      startup_s=o.startup_timeout) for t in self.trees}}
+        front = {} if self.front is None else {self.front_id: Limits(o.restart_policy, o.drain_timeout,
+                                                                     o.stop_timeout)}
+        return {**front, **{t.id: Limits(o.restart_policy, o.drain_timeout, o.stop_timeout,
+                                         startup_s=o.startup_timeout) for t in self.trees}}
 
     def formula(self) -> str:
         return self.plan.formula
 
     def remote(self) -> list[dict]:
-        return []
+        """The other nodes' processes, each `remote: up` or `down` as its node last reported its part."""
+        def state(node: int) -> str | None:
+            report = self.reports.get(node)
+            return None if report is None else f"remote: {'up' if report.up else 'down'}"
+        return [{**p.to_json(), "state": state(p.node)} for p in self.plan.processes if p.node != self.node]
 
     def unit_extra(self, unit: UnitId) -> dict:
         return {"by_role": dict(self.by_id[unit].by_role)} if unit in self.by_id else {}
@@ -157,6 +176,8 @@ class VllmUnits:
     def on_item(self, item) -> None:
         if item[0] == "hello":
             self.introduce(item[1])
+        elif item[0] == "group":
+            self.heard_from_node(item[1])
         elif item[0] == "probe":
             self.on_probe(*item[1:])
         elif item[0] == "prefix":  # (a line's vLLM prefix named a process before its title did)
@@ -184,7 +205,8 @@ class VllmUnits:
     # starting
 
     def before_start(self) -> None:
-        threading.Thread(target=self._probe_loop, name="vllm-probe", daemon=True).start()
+        if not self.headless:  # (a headless part serves nothing to ask: it hears of its head instead)
+            threading.Thread(target=self._probe_loop, name="vllm-probe", daemon=True).start()
         # what an earlier run of this deployment left, if its janitor was killed with it (systemd ends a
         # unit's whole cgroup); no other run uses it, as this one holds the deployment's lock
         removed = shm_sweep.sweep_deployment(self.sup.run_dir.path)
@@ -234,6 +256,8 @@ class VllmUnits:
         tree.started_at, tree.gen = time.monotonic(), next(self.gens)
         tree.progress, tree.procs, tree.first_death, tree.deferred, tree.blame = None, {}, None, [], None
         self.sup.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
+        if self.headless:
+            self.part = Part.starting(self.last_head)
         self.tell_front()
 
     def start_front(self) -> None:
@@ -257,7 +281,9 @@ class VllmUnits:
 
     def tell_front(self) -> None:
         """Say to the front what each tree is now: its gen, whether it takes requests, whether vsup is
-        stopping; and the restarts so far, by role."""
+        stopping; and the restarts so far, by role. Across nodes, what the head answers the other nodes,
+        or what this node reports to its head."""
+        self.tell_group()
         if self.front_w is None:
             return
         restarts: dict[str, int] = {}
@@ -270,6 +296,69 @@ class VllmUnits:
             os.write(self.front_w, b"".join(news))
         except (BlockingIOError, BrokenPipeError):
             pass  # (a front that does not read is dead, and restarts)
+
+    # across nodes (group.py)
+
+    def tell_group(self) -> None:
+        tree = self.trees[0]
+        if self.headless and self.sup.head_watch is not None:
+            live = self.phase(tree) in (Phase.STARTING, Phase.READY) and tree.first_death is None
+            report = Report(self.node, tree.gen, live and not self.sup.stopping)
+            if report != self.sup.head_watch.report:
+                self.sup.head_watch.report = report
+                if not report.up:
+                    self.sup.head_watch.poke()  # the head hears of it at once
+        elif self.plan.config.nnodes > 1:
+            self.head_answer = Head(tree.gen, self.up(tree))
+
+    def group_desk(self):
+        """What answers the other nodes' reports on the head's --probe-port (on the probes' thread)."""
+        if self.headless or self.plan.config.nnodes == 1 or not self.sup.options.group_secret:
+            return None
+
+        def answer(query: dict[str, str]) -> tuple[int, str]:
+            import json
+
+            report = read_report(query, self.sup.options.group_secret, time.time())
+            if report is None:
+                return 403, "not a report signed with this group's --cluster-secret in the last minute\n"
+            self.sup.loop.post(("group", report))
+            head = self.head_answer
+            return 200, json.dumps({"gen": head.gen, "up": head.up}) + "\n"
+        return answer
+
+    def heard_from_node(self, report: Report) -> None:
+        """The head: a node's report of its part; the head's tree restarts when the group is broken."""
+        tree = self.trees[0]
+        self.reports[report.node] = report
+        why = self.members.heard(Head(tree.gen, self.up(tree)), report)
+        if why and not self.sup.stopping:
+            tree.blame = None  # (the death was on that node: counted there)
+            self.sup.post(tree.id, lc.HealthFailed(why))
+
+    def on_head(self, reply: dict) -> None:
+        """A headless node: the head's answer to this node's report; the part is ready once it is in the
+        head's serving tree, and restarts when that tree went."""
+        if "refused" in reply:
+            if not self.refused:
+                self.sup.log("the head refuses this node's reports: is --cluster-secret the same on every node?",
+                             "error", status=reply["refused"])
+            self.refused = True
+            return
+        try:
+            head = self.last_head = Head(int(reply["gen"]), bool(reply["up"]))
+        except (KeyError, TypeError, ValueError):
+            return
+        self.refused = False
+        tree = self.trees[0]
+        if self.phase(tree) not in (Phase.STARTING, Phase.READY) or tree.first_death is not None:
+            return
+        why = self.part.heard(head)
+        if why == "joined":
+            self.sup.post(tree.id, lc.HealthOk())
+        elif why:
+            tree.blame = None  # (the death was on the head: counted there)
+            self.sup.post(tree.id, lc.HealthFailed(why))
 
     # health and progress
 
@@ -402,7 +491,7 @@ class VllmUnits:
         """Reap the trees' processes that were re-parented to us (a subreaper) and have exited."""
         import psutil
 
-        ours = {self.front.pid, self.janitor.pid, *(t.root.pid for t in self.trees)}
+        ours = {self.front.pid if self.front else None, self.janitor.pid, *(t.root.pid for t in self.trees)}
         for child in psutil.Process().children():
             if child.pid not in ours:
                 try:
@@ -464,9 +553,10 @@ class VllmUnits:
         else:
             name, role = tree.blame or (tree.root.spec.name, tree.root.spec.role)
             asked = life.why == "vsup restart"
-            self.sup.log("vllm tree lost", "warning" if asked else "error", why=life.why, process=name,
-                         unit=str(tree.id))
-            if not asked:
+            follows = (life.why or "").startswith(FOLLOWS)  # another node's death: counted there
+            self.sup.log("vllm tree lost", "warning" if asked or follows else "error", why=life.why,
+                         process=name, unit=str(tree.id))
+            if not asked and not follows:
                 if name in self.history:
                     self.history[name]["restarts"] += 1
                 tree.by_role[role or "unknown"] = tree.by_role.get(role or "unknown", 0) + 1
@@ -498,7 +588,7 @@ class VllmUnits:
             self.roll_next()
             return [str(t.id) for t in trees]
         if role == FRONT:
-            if self.sup.lives[self.front_id].phase not in lc.LIVE:
+            if self.front is None or self.sup.lives[self.front_id].phase not in lc.LIVE:
                 return []
             self.sup.post(self.front_id, lc.RestartAsked(How.TERM))
             return [FRONT]
@@ -530,7 +620,8 @@ class VllmUnits:
         """The front and every `vllm serve` together: each finishes what it holds (--drain-timeout), then
         gets --stop-timeout to exit."""
         o = self.sup.options
-        return [([self.front_id, *(t.id for t in self.trees)], o.drain_timeout + o.stop_timeout)]
+        front = [self.front_id] if self.front is not None else []
+        return [([*front, *(t.id for t in self.trees)], o.drain_timeout + o.stop_timeout)]
 
     def before_stop(self) -> None:
         self.tell_front()
@@ -570,15 +661,10 @@ class VllmUnits:
                     by_name[proc.name] = (tree, proc)
                 else:
                     extra.append((tree, proc))
-        front_phase = self.sup.lives[self.front_id].phase
-        front = self.front.to_json(ProcessState.STOPPING if self.front.alive and self.sup.stopping else
-                                   ProcessState.READY if self.front.alive else
-                                   ProcessState.FAILED if front_phase == Phase.FAILED else
-                                   ProcessState.BACKOFF if front_phase == Phase.BACKOFF else ProcessState.STOPPED)
-        rows = [front]
+        rows = [] if self.front is None else [self.front_row()]
         trees = {t.r: t for t in self.trees}
         for spec in self.plan.processes:
-            if spec.role == FRONT:
+            if spec.role == FRONT or spec.node != self.node:
                 continue
             _, live = by_name.get(spec.name, (None, None))
             rows.append(self.row(trees[spec.r], spec.name, spec.role, spec.device, spec.title, live,
@@ -586,6 +672,13 @@ class VllmUnits:
         for tree, proc in extra:
             rows.append(self.row(tree, proc.name or f"pid {proc.pid}", proc.role, None, proc.title, proc, proc.ranks))
         return rows
+
+    def front_row(self) -> dict:
+        phase = self.sup.lives[self.front_id].phase
+        return self.front.to_json(ProcessState.STOPPING if self.front.alive and self.sup.stopping else
+                                  ProcessState.READY if self.front.alive else
+                                  ProcessState.FAILED if phase == Phase.FAILED else
+                                  ProcessState.BACKOFF if phase == Phase.BACKOFF else ProcessState.STOPPED)
 
     def row(self, tree: Tree, name, role, device, title, live, ranks) -> dict:
         history = self.history.get(name, {"restarts": 0, "last_exit": None})
@@ -601,7 +694,8 @@ class VllmUnits:
         pid = live.pid if live is not None else None
         shown = (procfs.cmdline(pid) if is_root else live.title) if live is not None else None
         return {"name": name, "role": role, **({"r": tree.r} if tree.r is not None else {}), "a": ranks.get("a"),
-                "dp": ranks.get("dp"), "pp": ranks.get("pp"), "tp": ranks.get("tp"), "node": 0, "device": device,
+                "dp": ranks.get("dp"), "pp": ranks.get("pp"), "tp": ranks.get("tp"), "node": self.node,
+                "device": device,
                 "title": shown or title, "unit": str(tree.id), "pid": pid, "state": state,
                 "restarts": history["restarts"], "last_exit": history["last_exit"],
                 "started_at": (live.started_at if live is not None else None)}

@@ -20,16 +20,33 @@ GIB = 2**30
 
 
 def check_supported(config: ParallelConfig, **flags) -> None:
-    """Exit 2 for vsup options that --engine vllm does not map (`flags`: option -> whether it was given)."""
-    given = [flag for flag, on in flags.items() if on]
-    if config.headless or config.nnodes > 1 or config.dp_address or config.data_parallel_size_local is not None \
-            or config.data_parallel_start_rank is not None:
-        given.insert(0, "--headless/--nnodes/--dp-address/--dp-size-local/--dp-start-rank")
+    """Exit 2 for vsup options that --engine vllm does not map (`flags`: option -> whether it was given).
+    Across nodes it takes --nnodes (with --node-rank, --master-addr/-port, --headless: vLLM's multiprocessing
+    backend) and --cluster-secret, which authenticates what the nodes' supervisors tell each other."""
+    given = [flag for flag, on in flags.items() if on and not (flag == "--cluster-secret" and config.nnodes > 1)]
+    if config.dp_address or config.data_parallel_size_local is not None or config.data_parallel_start_rank is not None:
+        given.insert(0, "--dp-address/--dp-size-local/--dp-start-rank (data parallel across nodes; span nodes "
+                        "with --nnodes instead)")
     if not config.multiprocessing:
         given.append("--no-multiprocessing")
     if given:
-        raise UsageError(f"{', '.join(given)} not supported with --engine vllm (one node, vLLM's own process "
-                         f"model); give vLLM's own flags after --, or use --engine vsup")
+        raise UsageError(f"{', '.join(given)} not supported with --engine vllm (vLLM's own process model); give "
+                         f"vLLM's own flags after --, or use --engine vsup")
+
+
+def check_nodes(config: ParallelConfig, probe_port: int | bool | None, replicas: int) -> None:
+    """Exit 2 for a vLLM across nodes that vsup could not keep together: the nodes' supervisors tell each
+    other on the head's --probe-port when their part of the group went (vsup/supervisor/group.py), and one
+    tree spans the nodes."""
+    if config.nnodes == 1:
+        return
+    if probe_port is None:
+        raise UsageError("--engine vllm with --nnodes needs --probe-port PORT, the same on every node: there the "
+                         "head's vsup hears from the others when their part of the group went (vLLM's own "
+                         "nodes do not notice, its issue #32136)")
+    if replicas > 1:
+        raise UsageError(f"--replicas {replicas} with --nnodes: one vLLM tree spans the nodes; run more groups "
+                         f"(vsup plan --k8s --groups N) for more of them")
 
 
 def check_replicas(vllm: bool, replicas: int, config: ParallelConfig | None = None) -> None:
@@ -65,8 +82,14 @@ def replica_gpus(visible: str | None, replicas: int, per_tree: int) -> list[str]
 
 
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
-    """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged."""
+    """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged. Across
+    nodes, vLLM's own --nnodes, --node-rank, --master-addr and --master-port; a --headless node serves
+    nothing itself."""
     where = ["--uds", flags.uds] if flags.uds else ["--host", flags.host, "--port", str(flags.port)]
+    if config.nnodes > 1:
+        where = ["--headless"] if config.headless else where
+        where += ["--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
+                  "--master-addr", config.master_addr, "--master-port", str(config.master_port)]
     argv = [vllm_bin, "serve", flags.model, "--served-model-name", flags.served_model_name, *where,
             "--tensor-parallel-size", str(config.tensor_parallel_size),
             "--pipeline-parallel-size", str(config.pipeline_parallel_size),
@@ -74,7 +97,7 @@ def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: 
             "--dtype", "float32" if flags.dtype == "auto" and config.device == "cpu" else flags.dtype,
             "--max-num-seqs", str(flags.max_num_seqs), "--seed", str(flags.seed),
             "--shutdown-timeout", str(math.ceil(flags.drain_timeout))]
-    if config.api_server_count is not None:
+    if config.api_server_count is not None and not config.headless:
         argv += ["--api-server-count", str(config.api_server_count)]
     if flags.max_model_len is not None:
         argv += ["--max-model-len", str(flags.max_model_len)]
@@ -102,12 +125,15 @@ def cpu_placement(allowed: list[int], workers: int, reserve: int | None = None) 
 
 
 def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[int]], api_key: str | None,
-              kept: int = 0) -> dict:
+              kept: int = 0, node: tuple[str, str] | None = None) -> dict:
     """The environment vLLM reads for what has no flag: the device, the CPU KV cache, thread binding,
-    the API key; and no usage reports home."""
+    the API key; and no usage reports home. Across nodes, `node` is this node's (address, interface) toward
+    the head, where vLLM and gloo would otherwise guess (from the hostname, or a route to the internet)."""
+    local = flags.host in ("127.0.0.1", "localhost", "::1") and config.nnodes == 1
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
-           "VLLM_HOST_IP": "127.0.0.1" if flags.host in ("127.0.0.1", "localhost", "::1") else "",
-           "PYTHONUNBUFFERED": "1"}
+           "VLLM_HOST_IP": "127.0.0.1" if local else "", "PYTHONUNBUFFERED": "1"}
+    if node is not None:
+        env["VLLM_HOST_IP"], env["GLOO_SOCKET_IFNAME"] = node
     env = {k: v for k, v in env.items() if v}
     if api_key:
         env["VLLM_API_KEY"] = api_key

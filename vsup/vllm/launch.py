@@ -40,7 +40,9 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                     cpu_reserve: int | None = None) -> Plan:
     """The plan of the deployment in `run_dir`: the front, and each replica's vLLM behind it."""
     binary = find_vllm(vllm_bin)
-    workers = sum(p.role == WORKER and p.device == "cpu" for p in vllm_plan(config).processes)
+    workers = sum(p.role == WORKER and p.device == "cpu" and p.node == config.node_rank
+                  for p in vllm_plan(config).processes)
+    node = node_toward(config.master_addr, config.master_port) if config.nnodes > 1 else None
     binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas, cpu_reserve)
     upstream_key = secrets.token_urlsafe(24)
     if replicas > 1 and config.device == "cuda":  # each replica its share of the GPUs the user let vsup see
@@ -53,7 +55,7 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
             raise UsageError(f"the run dir {run_dir} is too long a path for vLLM's Unix socket in it "
                              f"({len(private.uds.encode())} of at most {UNIX_PATH_MAX} bytes): set VSUP_HOME "
                              f"to a shorter directory")
-        env = serve_env(config, private, binds[r * workers:(r + 1) * workers], upstream_key, len(kept))
+        env = serve_env(config, private, binds[r * workers:(r + 1) * workers], upstream_key, len(kept), node)
         if replicas > 1 and config.device == "cpu":  # vLLM's auto binding would put every replica on core 0
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if replicas > 1 and config.device == "cuda":
@@ -66,6 +68,8 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                                  f"-- (`vllm serve --help=all` lists what it takes), or give another --vllm-bin")
         trees.append((tuple(argv), env))
         upstreams.append(private.uds)
+    if config.headless:  # (a node that serves nothing: no front)
+        return vllm_plan(config, trees)
     front_argv = (sys.executable, "-m", "vsup.front", "--host", flags.host, "--port", str(flags.port),
                   *(x for url in upstreams for x in ("--upstream", url)),
                   "--resume-timeout", str(front.resume_timeout),
@@ -74,3 +78,23 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                   *(("--cpus", ",".join(map(str, kept))) if kept else ()))
     front_env = {"VSUP_FRONT_UPSTREAM_KEY": upstream_key, **({"VSUP_API_KEY": api_key} if api_key else {})}
     return vllm_plan(config, trees, (front_argv, front_env))
+
+
+def node_toward(host: str, port: int) -> tuple[str, str]:
+    """This node's address toward the head at `host`, and its interface's name (what the kernel would route
+    by; a UDP socket's connect sends nothing), each as the user's environment gives it if it does
+    (VLLM_HOST_IP, GLOO_SOCKET_IFNAME)."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            address = probe.getsockname()[0]
+    except OSError as e:
+        raise UsageError(f"--master-addr {host}: this node has no route to it ({e.strerror or e}); give the "
+                         f"head node's address as the other nodes reach it") from None
+    interface = next((name for name, addresses in psutil.net_if_addrs().items()
+                      if any(a.address == address for a in addresses)), "")
+    return os.environ.get("VLLM_HOST_IP") or address, os.environ.get("GLOO_SOCKET_IFNAME") or interface
