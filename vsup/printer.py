@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vsup.roles import ENGINE_CORE, WORKER
@@ -52,7 +53,7 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
             cpus = f"  cpus {placement[p.name].describe():<{cpus_width}}" if placement else ""
             lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}{cpus}  {p.title}")
         if many_nodes:
-            share = type(plan)(plan.config, tuple(processes))
+            share = replace(plan, processes=tuple(processes))
             lines.append(f"{where}: {share.formula}")
         lines.append("")
     lines.append(plan.formula)

@@ -93,11 +93,13 @@ def mask(text: str) -> list[str]:
 
 def by_process(lines: list[str]) -> dict[str, list[str]]:
     """Console lines (`NAME | event`) by the process that wrote them: each process's lines come in its own
-    order, while processes interleave as they run."""
+    order, while processes interleave as they run. The supervisor's `still starting` lines, which only a
+    machine slower than usual prints (a process quiet for 5 s), are left out."""
     out: dict[str, list[str]] = {}
     for line in lines:
         name, _, said = line.partition(" | ")
-        out.setdefault(name.strip(), []).append(said)
+        if not said.startswith("still starting "):
+            out.setdefault(name.strip(), []).append(said)
     return out
 
 

@@ -89,7 +89,8 @@ ClusterSecret = Annotated[Optional[str], _option(
 Nnodes = Annotated[int, _option(
     "--nnodes", panel=PARALLEL,
     help="Nodes one TP x PP group spans (with DP = 1; DP ranks cross nodes with --dp-address instead): each "
-         "node runs TP x PP / NNODES of its workers, node 0 also the API servers and the engine core.")]
+         "node runs TP x PP / NNODES of its workers, node 0 also the API servers and the engine core (with "
+         "--engine vllm: vLLM's own --nnodes, and --probe-port on every node).")]
 NodeRank = Annotated[int, _option(
     "--node-rank", panel=PARALLEL,
     help="This node's place among --nnodes; every node but 0 runs --headless (its workers only).")]
@@ -190,7 +191,8 @@ Port = Annotated[int, _option("--port", panel=SERVING, help="Port the API server
 ProbePort = Annotated[Optional[int], _option(
     "--probe-port", panel=SERVING, show_default=False,
     help="Serve the kubelet's probes on this port of --host, with no API key: /livez (the supervisor's loop "
-         "turns; a restart inside it is no failure) and /readyz (every process of this node ready).  "
+         "turns; a restart inside it is no failure) and /readyz (every process of this node ready); with "
+         "--engine vllm across nodes, where the nodes' vsups keep the group together.  "
          "[default: none]")]
 ApiKey = Annotated[Optional[str], _option(
     "--api-key", panel=SERVING, show_default=False,
