@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vsup.roles import ENGINE_CORE, WORKER
@@ -53,7 +52,7 @@ def render_plan(plan: Plan, placement: dict | None = None) -> str:
             cpus = f"  cpus {placement[p.name].describe():<{cpus_width}}" if placement else ""
             lines.append(f"{prefix}{p.name:<{width - len(prefix)}}  {p.device or '-':<8}{cpus}  {p.title}")
         if many_nodes:
-            share = replace(plan, processes=tuple(processes))
+            share = type(plan)(plan.config, tuple(processes), plan.roles)  # (no dataclasses import: `ps` draws too)
             lines.append(f"{where}: {share.formula}")
         lines.append("")
     lines.append(plan.formula)
