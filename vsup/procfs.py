@@ -80,3 +80,63 @@ def shm_in_use() -> set[str]:
         except OSError:
             continue
     return names
+
+
+# memory evidence (vsup/supervisor/incidents.py)
+
+def memory_cgroup(pid: int) -> str | None:
+    """The directory of the memory cgroup that `pid` is in: cgroup v1's memory controller, else v2's unified
+    hierarchy; None when it is gone or neither is mounted."""
+    try:
+        lines = open(f"/proc/{pid}/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return f"/sys/fs/cgroup/memory{path}".rstrip("/")
+    unified = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    if unified is not None and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return f"/sys/fs/cgroup{unified}".rstrip("/")
+    return None
+
+
+def cgroup_oom_kills(directory: str) -> int | None:
+    """The processes the OOM killer killed in that cgroup: `oom_kill` of memory.oom_control (v1) or
+    memory.events (v2)."""
+    for name in ("memory.oom_control", "memory.events"):
+        value = _keyed(os.path.join(directory, name), "oom_kill")
+        if value is not None:
+            return value
+    return None
+
+
+def machine_oom_kills() -> int | None:
+    return _keyed("/proc/vmstat", "oom_kill")
+
+
+def peak_rss(pid: int) -> int | None:
+    """VmHWM: the most resident memory the process has had, in bytes."""
+    value = _keyed(f"/proc/{pid}/status", "VmHWM:")
+    return None if value is None else value * 1024
+
+
+def memory_pressure() -> float | None:
+    """PSI's `some avg10` of memory: the share of the last 10 s in which some task waited for memory."""
+    try:
+        first = open("/proc/pressure/memory").readline().split()
+        return float(dict(item.split("=") for item in first[1:])["avg10"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _keyed(path: str, key: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == key:
+                    return int(parts[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -123,6 +123,12 @@ def test_kill_9_of_worker_and_api_server_loses_no_request(vllm_deployment):
     metrics = httpx.get(f"http://127.0.0.1:{vllm_deployment.port}/metrics", timeout=30).text  # vLLM's own, and ours
     assert 'vsup_restarts_total{role="worker"} 1\n' in metrics and "vllm:num_requests_running" in metrics
     assert "vsup_front_resumed_total 32" in metrics  # 16 streams, twice
+    # each death one incident, newest first, its cause told from the OOM killer's (vsup/supervisor/incidents.py)
+    found = json.loads(vllm_deployment.vsup("incidents", "--json").stdout)[:2]
+    outside = "killed by SIGKILL from outside vsup (not the OOM killer: its counters did not move)"
+    assert [(i["death"]["process"], i["cause"], i["verdict"]) for i in found] == [
+        ("api-server a0", "killed", outside), ("worker dp0 pp0 tp0", "killed", outside)], found
+    assert all(i["restart_s"] for i in found) and found[0]["death"]["pid"] == before["api-server a0"]
 
 
 def poison(client, i, n, seen):

@@ -86,7 +86,7 @@ def test_install_completion_in_bash_then_tab_completes(tmp_path, vsup_on_path):
 
 
 @pytest.mark.parametrize("words,expected", [
-    ("vsup ", {"plan", "serve", "ps", "logs", "stop", "restart"}),
+    ("vsup ", {"plan", "serve", "ps", "logs", "stop", "restart", "incidents"}),
     ("vsup serve --rest", {"--restart-policy", "--restart-max-delay"}),
     ("vsup plan --device ", {"auto", "cuda", "cpu"}),
     ("vsup plan --config missing.toml --pipeline", {"--pipeline-parallel-size"}),

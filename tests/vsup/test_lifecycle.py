@@ -58,7 +58,8 @@ EVENTS = {
 }
 
 LOST, UP, DRAIN = f"Notify({Note.LOST})", f"Notify({Note.UP})", f"Notify({Note.DRAIN})"
-DOWN = ("backoff", ["Kill", LOST, "Log(restarting)", "Save"])  # a death unasked: the rest killed, then backoff
+# a death unasked: its evidence kept (an incident), the rest killed, then backoff
+DOWN = ("backoff", ["Record", "Kill", LOST, "Log(restarting)", "Save"])
 ENDS = ("ending", ["Signal", LOST, "Log(restarting gracefully)", "Save"])
 SPAWN = ("starting", ["Spawn", "Save"])
 KEPT = "(same)"
@@ -211,7 +212,7 @@ def test_every_kind_gives_up_past_max_restarts_naming_the_last_exit(kind):
 def test_the_last_exit_names_the_process_when_it_is_not_the_unit():
     life = Life("worker-group dp0", Limits(RestartPolicy(max_restarts=0)), Phase.READY, frozenset({1, 2}))
     life, actions = lc.step(life, lc.Exited(1, "worker dp0 pp0 tp1", "exit 1"), NOW)
-    assert actions == [lc.Kill(), lc.Notify(Note.LOST),
+    assert actions == [lc.Record(), lc.Kill(), lc.Notify(Note.LOST),
                        lc.GiveUp("0 restarts within 300 s (last exit: worker dp0 pp0 tp1 exit 1)"), lc.Save()]
     stalled = Life("vllm", Limits(RestartPolicy(max_restarts=0)), Phase.READY, frozenset({1}))
     assert lc.GiveUp("0 restarts within 300 s (no token for 120 s)") in \
@@ -271,7 +272,7 @@ def test_a_vllm_tree_that_never_serves_restarts_at_its_startup_timeout():
     assert life.deadline == 60.0
     life, actions = lc.step(life, lc.Timer(), 60.0)
     assert life.phase == Phase.BACKOFF and life.why == "startup timeout: not ready after 60 s"
-    assert actions[:2] == [lc.Kill(), lc.Notify(Note.LOST)]
+    assert actions[:3] == [lc.Record(), lc.Kill(), lc.Notify(Note.LOST)]
 
 
 def test_a_stop_waits_for_every_process_and_kills_at_its_deadline():

@@ -242,7 +242,8 @@ def test_every_command_is_found_under_its_own_name():
     from vsup.cli.main import COMMANDS
     for module in set(COMMANDS.values()):
         app = importlib.import_module(f"vsup.cli.{module}").app
-        defined = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+        defined = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands} | \
+            {g.typer_instance.info.name for g in app.registered_groups}  # (a command with subcommands)
         assert defined == {command for command, its_module in COMMANDS.items() if its_module == module}
     for command in COMMANDS:
         assert vsup(command, "--help").returncode == 0

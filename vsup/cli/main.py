@@ -19,7 +19,8 @@ except ImportError:  # pragma: no cover
 # each command -> the module of vsup.cli that `vsup COMMAND` imports; with a --config file, plan and serve
 # import each other's as well, since one file serves the two (config_file.py checks the other's keys). The
 # modules a command does not need slow `vsup plan`'s start (bench/plan_latency.py measures it).
-COMMANDS = {"plan": "plan", "serve": "serve", "ps": "ps", "logs": "logs", "stop": "stop", "restart": "stop"}
+COMMANDS = {"plan": "plan", "serve": "serve", "ps": "ps", "logs": "logs", "stop": "stop", "restart": "stop",
+            "incidents": "incidents"}
 CONFIG_SIBLING = {"plan": "serve", "serve": "plan"}
 
 

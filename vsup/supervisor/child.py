@@ -4,6 +4,7 @@ its pipes handed to the log router and its exit seen through a pidfd."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ class Child:
     restarts: int = 0
     last_exit: str | None = None
     extra_argv: list[str] = field(default_factory=list)
+    sent: str | None = None  # the signal vsup sent it last since it started (an incident's evidence)
+    peak_rss: int | None = None  # its peak RSS, from wait4 when reaped (an incident's evidence)
 
     @property
     def pid(self) -> int | None:
@@ -42,6 +45,7 @@ class Child:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
+            self.sent = None
             self.popen = subprocess.Popen(
                 [*self.spec.argv, *self.extra_argv], stdin=stdin, stdout=out_w, stderr=err_w,
                 env={**env, **self.spec.env}, process_group=0, close_fds=True, pass_fds=pass_fds)
@@ -52,8 +56,22 @@ class Child:
         self.started_at, self.ready = time.time(), False
         return out_r, err_r
 
+    def ended(self) -> bool:
+        """Whether it has exited, without reaping it (reap takes its status and its peak RSS)."""
+        if self.popen is None or self.popen.returncode is not None:
+            return self.popen is not None
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return self.popen.poll() is not None
+
     def reap(self) -> int:
-        """Collect the exit status once the pidfd said it exited."""
+        """Collect the exit status once the pidfd said it exited, and its peak RSS."""
+        try:
+            _, status, usage = os.wait4(self.popen.pid, 0)
+            self.popen.returncode, self.peak_rss = os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024
+        except ChildProcessError:  # (waited for already)
+            pass
         code = self.popen.wait()
         if self.pidfd is not None:
             os.close(self.pidfd)
@@ -66,6 +84,7 @@ class Child:
         if self.alive:
             try:
                 os.kill(self.popen.pid, sig)
+                self.sent = signal.Signals(sig).name
                 return True
             except ProcessLookupError:
                 pass

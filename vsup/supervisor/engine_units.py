@@ -67,6 +67,19 @@ class EngineUnits:
     def unit_extra(self, unit: UnitId) -> dict:
         return {}
 
+    def evidence(self, unit: UnitId) -> dict:
+        """For an incident: the unit's role, the first of its processes to end (name, pid, exit, the signal
+        vsup sent it) when one did, and its processes."""
+        members = self.members[unit]
+        culprit = next((c for c in members if c.spec.name == self.sup.lives[unit].culprit), None)
+        death = None if culprit is None else (culprit.spec.name, culprit.pid, culprit.last_exit, culprit.sent,
+                                              culprit.peak_rss)
+        return {"role": (culprit or members[0]).spec.role, "death": death,
+                "members": [{"process": c.spec.name, "pid": c.pid, "alive": c.alive} for c in members]}
+
+    def live_pids(self) -> list[int]:
+        return [c.pid for c in self.children if c.alive]
+
     def group_desk(self) -> None:
         return None  # (our engine's nodes meet in its own links: engine/cluster.py)
 
@@ -93,7 +106,7 @@ class EngineUnits:
                 self.sup.post(unit, lc.Started(child.pid))
         children = [c for c in self.members[unit] if not c.alive]
         env = {**os.environ, **(self.sup.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
-               "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+               "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         for dp in {c.spec.dp for c in children if c.spec.role == WORKER}:
             self.generation[dp] = self.generation.get(dp, 0) + 1
         for child in children:
@@ -163,11 +176,11 @@ class EngineUnits:
     # deaths
 
     def exited(self, child: Child) -> None:
-        if child.pidfd is None or child.popen.poll() is None:
+        if child.pidfd is None or not child.ended():
             return  # seen already: a worker's exit handles its core's first, and both may be in one select
         if child.spec.role == WORKER:  # a worker follows its vanished core out: the core's exit is the cause
             core = next((c for c in self.children if c.spec.role == ENGINE_CORE and c.spec.dp == child.spec.dp), None)
-            if core is not None and core.pidfd is not None and core.popen.poll() is not None:
+            if core is not None and core.pidfd is not None and core.ended():
                 self.exited(core)
         self.sup.loop.forget(child.pidfd)
         code = child.reap()

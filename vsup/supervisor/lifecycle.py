@@ -174,11 +174,17 @@ class Log:
 
 
 @dataclass(frozen=True)
+class Record:
+    """It went down unasked: keep the evidence (an incident: incidents.py), before what is left of it is
+    killed and before it restarts."""
+
+
+@dataclass(frozen=True)
 class Save:
     """Its state changed: write state.json (and, with vLLM, tell the front)."""
 
 
-Action = Spawn | Signal | Kill | Notify | GiveUp | Log | Save
+Action = Spawn | Signal | Kill | Notify | GiveUp | Log | Record | Save
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ def _down(life: Life, now: float, process: str | None, why: str, failure: bool =
     """It went down unasked: the rest of it is killed, and it restarts after its backoff, or gives up."""
     decision = decide(life.limits.policy, life.restarts, now, life.since, failure)
     life = replace(life, restarts=decision.restarts, culprit=process, why=why)
-    actions: list[Action] = [Kill()] if life.running else []
+    actions: list[Action] = [Record(), *([Kill()] if life.running else [])]
     actions.append(Notify(Note.LOST))
     if decision.delay is None:
         last = why if process in (None, life.name) else f"{process} {why}"

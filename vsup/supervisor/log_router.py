@@ -25,6 +25,7 @@ from vsup.supervisor.log_format import is_load_report, now_iso, render, supervis
 LISTEN, HELLO, DROP = "listen", "hello", "drop"  # a hook socket, a connection not yet introduced, a bad one
 ROTATE_BYTES = 16 << 20
 KEEP_FILES = 5
+TAIL = 30  # each process's last lines, kept for an incident
 
 
 class JsonlWriter:
@@ -129,6 +130,7 @@ class LogRouter(threading.Thread):
         self.open_pipes = 0
         self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
         self.last_said: dict[str, tuple[float, str]] = {}  # process name -> when (monotonic) and what it last said
+        self.tails: dict[str, deque[tuple[float, int, str]]] = {}  # process name -> its last lines (incidents)
         self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
     def last_lines(self, name: str) -> list[str]:
@@ -137,6 +139,15 @@ class LogRouter(threading.Thread):
             try:
                 return list(self.last_stderr.get(name, ()))
             except RuntimeError:  # (this thread appended to it meanwhile)
+                continue
+        return []
+
+    def tail(self, name: str) -> list[tuple[float, int, str]]:
+        """From any thread: process `name`'s last TAIL lines, each (monotonic time, pid, `LEVEL text`)."""
+        for _ in range(3):
+            try:
+                return list(self.tails.get(name, ()))
+            except RuntimeError:  # (the router's thread appended to it meanwhile)
                 continue
         return []
 
@@ -264,7 +275,12 @@ class LogRouter(threading.Thread):
         if self.on_load is not None and is_load_report(record):
             self.on_load(record)
             return False
-        self.last_said[record.get("name")] = (time.monotonic(), str(record.get("event"))[:80])
+        now = time.monotonic()
+        self.last_said[record.get("name")] = (now, str(record.get("event"))[:80])
+        said = record.get("error") or record.get("exception")
+        self.tails.setdefault(record.get("name"), deque(maxlen=TAIL)).append(
+            (now, record.get("pid"), f"{record.get('level') or 'info'} {record.get('event')}" +
+             (f": {said}" if said else "")))
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON

@@ -28,6 +28,7 @@ from vsup.supervisor import lifecycle as lc
 from vsup.supervisor import notify, units
 from vsup.supervisor.control import ControlServer
 from vsup.supervisor.head_watch import HEAD, HeadWatch, head_lost
+from vsup.supervisor.incident_keeper import IncidentKeeper
 from vsup.supervisor.lifecycle import Life, Phase
 from vsup.supervisor.log_format import supervisor_record
 from vsup.supervisor.log_router import LogRouter
@@ -86,6 +87,8 @@ class Supervisor:
         self.adapter = make_adapter(self)
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
+        self.incidents = IncidentKeeper(run_dir.path, router.tail, self.log,
+                                        lambda fn: self.loop.at(time.monotonic() + 1.0, fn))
         self.head_answered: float | None = None
         self.head_watch = HeadWatch(options.head, self.loop.post, options.group_secret) if options.head else None
         self.probes = None
@@ -136,6 +139,12 @@ class Supervisor:
                 self.killed += killed
         elif isinstance(action, lc.Notify):
             self.adapter.notify(unit, action.note)
+            if action.note == lc.Note.UP:
+                self.incidents.up(str(unit), [m["process"] for m in self.adapter.evidence(unit)["members"]])
+        elif isinstance(action, lc.Record):
+            evidence = self.adapter.evidence(unit)
+            self.incidents.record(str(unit), evidence["role"], self.lives[unit].why or "", evidence["death"],
+                                  evidence["members"])
         elif isinstance(action, lc.GiveUp):
             self.gave_up(unit, action.reason)
         elif isinstance(action, lc.Log):
@@ -165,6 +174,7 @@ class Supervisor:
         if timeout is not None:
             self.loop.at(time.monotonic() + timeout, self.startup_timed_out)
         self.loop.at(time.monotonic() + 1.0, self.quiet_starts)
+        self.sample_memory()
         if self.head_watch is not None:
             self.head_watch.start()
         if self.probes is not None:
@@ -210,6 +220,11 @@ class Supervisor:
         ready = self.state == DeploymentState.SERVING and not down
         self.probes.publish(ready, str(self.state) + (f"; not ready: {', '.join(down)}" if down else ""))
         self.loop.at(time.monotonic() + BEAT_S, self.publish_probes)
+
+    def sample_memory(self) -> None:
+        """Every second: the memory evidence of every live process (incident_keeper.py)."""
+        self.incidents.sample(self.adapter.live_pids())
+        self.loop.at(time.monotonic() + 1.0, self.sample_memory)
 
     def quiet_starts(self) -> None:
         """While the deployment starts, name each process that is not ready and has been quiet for QUIET_S

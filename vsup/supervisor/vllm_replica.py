@@ -42,6 +42,7 @@ class Observed:
     alive: bool = True
     last_exit: str | None = None
     reaped_by_parent: bool = False  # its parent waited for it (the hook's REAP_LOG): it did not follow it out
+    sent: str | None = None  # the signal vsup sent it (an incident's evidence)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Tree:
     first_death: Observed | Child | None = None  # a death seen, not yet attributed (ATTRIBUTION_DELAY_S)
     deferred: list = field(default_factory=list)  # the pids that ended meanwhile
     blame: tuple | None = None  # (name, role) of what took it down last
+    cause: object = None  # the process (Observed or the root) whose end took it down last
     shm_noted: set = field(default_factory=set)
     by_role: dict = field(default_factory=dict)  # its restarts, by the role whose process died
 

@@ -240,7 +240,7 @@ class VllmUnits:
                "VSUP_HOOK_SOCKET": self.hook_path, "VSUP_HOOK_PARENT": str(os.getpid()),
                "VSUP_HOOK_REPLICA": str(tree.r or 0),
                "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "VSUP_HOOK_REAP_LOG": str(tree.dir / REAP_LOG),
-               "TMPDIR": str(tmp),
+               "TMPDIR": str(tmp), "PYTHONFAULTHANDLER": "1",
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
         for pid in [pid for pid, owner in list(self.tree_of.items()) if owner is tree]:  # its last tree's
@@ -255,6 +255,7 @@ class VllmUnits:
         self.sup.loop.watch(root.pidfd, lambda: self.exited(tree, root))
         tree.started_at, tree.gen = time.monotonic(), next(self.gens)
         tree.progress, tree.procs, tree.first_death, tree.deferred, tree.blame = None, {}, None, [], None
+        tree.cause = None
         self.sup.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
         if self.headless:
             self.part = Part.starting(self.last_head)
@@ -310,6 +311,27 @@ class VllmUnits:
                     self.sup.head_watch.poke()  # the head hears of it at once
         elif self.plan.config.nnodes > 1:
             self.head_answer = Head(tree.gen, self.up(tree))
+
+    def evidence(self, unit: UnitId) -> dict:
+        """For an incident: the role whose process took the unit down, that process (name, pid, exit, the
+        signal vsup sent it) when one ended, and the unit's processes."""
+        if unit == self.front_id:
+            f = self.front
+            return {"role": FRONT, "death": (FRONT, f.pid, f.last_exit, f.sent, f.peak_rss),
+                    "members": [{"process": FRONT, "pid": f.pid, "alive": f.alive}]}
+        tree = self.by_id[unit]
+        cause = tree.cause if self.sup.lives[unit].culprit is not None else None
+        death = None if cause is None else (tree.name_of(cause), cause.pid, cause.last_exit,
+                                            getattr(cause, "sent", None), getattr(cause, "peak_rss", None))
+        procs = [tree.root, *tree.procs.values()]
+        return {"role": (tree.blame or (None, tree.root.spec.role))[1], "death": death,
+                "members": [{"process": tree.name_of(p), "pid": p.pid, "alive": p.alive} for p in procs]}
+
+    def live_pids(self) -> list[int]:
+        pids = [self.front.pid] if self.front is not None and self.front.alive else []
+        for tree in self.trees:
+            pids += [p.pid for p in (tree.root, *tree.procs.values()) if p.alive]
+        return pids
 
     def group_desk(self):
         """What answers the other nodes' reports on the head's --probe-port (on the probes' thread)."""
@@ -414,7 +436,7 @@ class VllmUnits:
     # deaths
 
     def front_exited(self) -> None:
-        if self.front.pidfd is None or self.front.popen.poll() is None:
+        if self.front.pidfd is None or not self.front.ended():
             return
         self.sup.loop.forget(self.front.pidfd)
         self.front.reap()
@@ -429,7 +451,7 @@ class VllmUnits:
 
     def exited(self, tree: Tree, proc) -> None:
         if isinstance(proc, Child):
-            if proc.pidfd is None or proc.popen.poll() is None:
+            if proc.pidfd is None or not proc.ended():
                 return
             self.sup.loop.forget(proc.pidfd)
             proc.reap()
@@ -480,6 +502,7 @@ class VllmUnits:
                 self.history.setdefault(tree.name_of(dead), {"restarts": 0})["last_exit"] = dead.last_exit
         exit = cause.last_exit or f"stopped {tree.name_of(proc)} ({proc.last_exit})"  # (it told it to: it is the cause)
         tree.blame = (name, cause.spec.role if isinstance(cause, Child) else cause.role)
+        tree.cause = cause
         # (a cause still running, which stopped the first to die, ends later; one not running any more whose
         # end was not seen yet is reaped later: either way the first death's pid stands for it)
         pid = cause.pid if cause.pid in self.sup.lives[tree.id].running else proc.pid
@@ -524,6 +547,7 @@ class VllmUnits:
             if proc.alive and proc.pidfd is not None:  # by pidfd: never a stranger who got the number
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(proc.pidfd, signal.SIGKILL)
+                    proc.sent = "SIGKILL"
                     killed.append(proc.name or f"pid {proc.pid}")
         return killed
 

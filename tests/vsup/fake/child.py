@@ -3,6 +3,9 @@
 FAKE_CRASH=PREFIX makes the processes whose name starts with it die at startup with a traceback, every time.
 FAKE_LINGER=PREFIX=SECONDS,... makes those take that long to exit on SIGTERM.
 FAKE_QUIET=PREFIX=SECONDS,... makes those start that long, in silence, before they say ready.
+
+Once ready, each dies as a test asks: SIGUSR1 segfaults it (a NULL read through ctypes), SIGUSR2 makes it
+raise, SIGTTIN makes it allocate memory until something stops it (the OOM killer, in a test's cgroup).
 """
 
 import json
@@ -39,5 +42,25 @@ time.sleep(seconds("FAKE_QUIET"))
 say("ready", role="liar", dp=99)  # the pipe's tag must win over what the child claims
 linger_s = seconds("FAKE_LINGER")
 signal.signal(signal.SIGTERM, lambda *_: (time.sleep(linger_s), sys.exit(0)))
+
+
+def segfault(*_):
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def fail(*_):
+    raise RuntimeError(f"{name}: CUDA error: an illegal memory access was encountered (simulated)")
+
+
+hog = []
+signal.signal(signal.SIGUSR1, segfault)
+signal.signal(signal.SIGUSR2, fail)
+signal.signal(signal.SIGTTIN, lambda *_: hog.append(b""))
 while True:
-    time.sleep(1)
+    if hog:
+        hog.append(bytearray(16 << 20))  # (zeroed: every page touched)
+        time.sleep(0.005)
+    else:
+        time.sleep(0.2)

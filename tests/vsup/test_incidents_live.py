@@ -1,0 +1,135 @@
+"""Incidents over real stand-in processes (tests/vsup/fake): each cause of a death made for real (a segfault
+through ctypes, SIGKILL from outside, an exception, the kernel's OOM killer in a memory-limited cgroup made
+here) gives exactly one incident, with its cause and verdict, kept before the restart and readable with
+`vsup incidents` after the deployment stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.polling import wait_for
+from tests.vsup.test_supervisor import TREE, ps, serving, stop, vsup
+from vsup import procfs
+
+WORKER = "worker dp0 pp0 tp0"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VSUP_HOME", str(tmp_path))
+    return tmp_path
+
+
+def start(name, prefix=()):
+    return subprocess.Popen([*prefix, sys.executable, str(TREE), name, "1", "1", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def healed(name, old_pid):
+    """ps once the worker runs again under a new pid and every process is ready."""
+    def check():
+        state = ps(name)
+        rows = {p["name"]: p for p in state["processes"]}
+        ready = all(p["state"] == "ready" for p in state["processes"])
+        return state if ready and rows[WORKER]["pid"] not in (None, old_pid) else None
+    return wait_for(check, timeout=60, what="the worker's group restarted and ready")
+
+
+def incidents(name):
+    result = vsup("incidents", "--name", name, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def die_and_heal(name, how, prefix=()):
+    """Start the tree, end its worker by `how(pid)`, and wait for the restart; the incidents, read after the
+    stop, and every pid the tree had."""
+    proc = start(name, prefix)
+    try:
+        state = serving(name)
+        pids = {p["name"]: p["pid"] for p in state["processes"]}
+        wait_for(lambda: procfs.peak_rss(pids[WORKER]), timeout=5, what="the worker sampled")  # (a second)
+        how(pids[WORKER])
+        after = healed(name, pids[WORKER])
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+    everything = [*pids.values(), *(p["pid"] for p in after["processes"])]
+    assert not [pid for pid in everything if psutil.pid_exists(pid)], "a process outlived the stop"
+    return incidents(name), pids
+
+
+def test_a_segfault_is_one_incident_a_crash_with_its_native_stack(home):
+    found, pids = die_and_heal("inc-segv", lambda pid: os.kill(pid, signal.SIGUSR1))
+    assert len(found) == 1, found
+    incident = found[0]
+    assert (incident["unit"], incident["role"], incident["cause"]) == ("worker-group dp0", "worker", "crash")
+    assert incident["verdict"] == "crashed: segmentation fault (SIGSEGV)"
+    death = incident["death"]
+    assert (death["process"], death["pid"], death["signal"], death["sent_by_vsup"]) == \
+        (WORKER, pids[WORKER], "SIGSEGV", None)
+    assert any("Fatal Python error: Segmentation fault" in line for line in incident["last_lines"][WORKER])
+    assert incident["restart_s"] is not None and incident["restart_s"] < 30
+    shown = vsup("incidents", "show", incident["id"], "--name", "inc-segv")
+    assert shown.returncode == 0 and "crashed: segmentation fault (SIGSEGV)" in shown.stdout, shown.stderr
+    listed = vsup("incidents", "--name", "inc-segv").stdout.splitlines()
+    assert listed[0].split() == ["ID", "WHEN", "(UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "VERDICT"]
+    assert "worker-group dp0" in listed[1] and "crash" in listed[1]
+
+
+def test_sigkill_from_outside_is_told_from_the_oom_killer_and_from_vsup(home):
+    seen = []
+
+    def kill(pid):
+        seen.append(procfs.peak_rss(pid))
+        os.kill(pid, signal.SIGKILL)
+    found, pids = die_and_heal("inc-kill", kill)
+    assert [(i["cause"], i["verdict"]) for i in found] == [
+        ("killed", "killed by SIGKILL from outside vsup (not the OOM killer: its counters did not move)")]
+    memory = found[0]["death"]["memory"]
+    assert memory["cgroup_oom_kills"][0] == memory["cgroup_oom_kills"][1] is not None
+    assert memory["peak_rss_bytes"] >= seen[0] > 0  # (its VmHWM just before the kill)
+
+
+def test_an_exception_is_an_error_naming_it(home):
+    found, _ = die_and_heal("inc-raise", lambda pid: os.kill(pid, signal.SIGUSR2))
+    assert [(i["cause"], i["verdict"]) for i in found] == [
+        ("error", "exit 1: RuntimeError: worker dp0 pp0 tp0: CUDA error: an illegal memory access was "
+                  "encountered (simulated)")]
+
+
+@pytest.fixture
+def cgroup():
+    """A memory cgroup (v1) of 300 MiB under this process's own, without swap; removed afterwards."""
+    parent = procfs.memory_cgroup(os.getpid())
+    if parent is None or not parent.startswith("/sys/fs/cgroup/memory"):
+        pytest.skip("no cgroup v1 memory controller here to make a limited cgroup in")
+    path = Path(parent) / f"vsup-oom-{os.getpid()}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(300 * 2**20))
+        (path / "memory.swappiness").write_text("0")
+    except OSError as e:
+        pytest.skip(f"the kernel refused a memory cgroup with a limit ({e})")
+    yield path
+    wait_for(lambda: not (path / "cgroup.procs").read_text().split(), timeout=10, what="the cgroup empty")
+    path.rmdir()
+
+
+def test_the_oom_killer_is_named_from_the_cgroups_counter(home, cgroup):
+    prefix = ("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh")
+    found, pids = die_and_heal("inc-oom", lambda pid: os.kill(pid, signal.SIGTTIN), prefix)
+    assert len(found) == 1, found
+    incident = found[0]
+    assert incident["cause"] == "oom", incident
+    assert incident["verdict"] == f"killed by the kernel's OOM killer (oom_kill of the cgroup {cgroup}: 0 before, " \
+                                  f"1 after)"
+    assert incident["death"]["pid"] == pids[WORKER] and incident["death"]["memory"]["peak_rss_bytes"] > 100 * 2**20
