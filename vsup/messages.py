@@ -39,6 +39,7 @@ class TreeNews(msgspec.Struct, omit_defaults=True):
     up: bool
     stopping: bool = False
     restarts: dict[str, int] = {}
+    incidents: dict[str, int] = {}  # "role/cause" -> incidents since the supervisor started
 
 
 T = TypeVar("T")

@@ -76,6 +76,9 @@ class Metrics:
         self.registry.register(RestartsCollector(
             (lambda: supervisor_state.restarts_by_role(supervisor_state.read(state_file), ROLES)) if state_file
             else lambda: self.restarts_seen))
+        if state_file:
+            self.registry.register(IncidentsCollector(
+                lambda: supervisor_state.incidents(supervisor_state.read(state_file))))
         self.registry.register(EngineStatsCollector(client))
         if supervisor_socket:
             self.registry.register(ProcessLoadCollector(supervisor_socket))
@@ -194,6 +197,21 @@ class RestartsCollector(Collector):
         family = CounterMetricFamily("vsup_restarts", "Processes restarted, by role.", labels=["role"])
         for role, count in self.counts().items():
             family.add_metric([role], count)
+        yield family
+
+
+class IncidentsCollector(Collector):
+    """`vsup_incidents_total{role, cause}`: the units that went down unasked since the supervisor started, by
+    the role of the process that went first and the cause (oom, killed, crash, error, exit, hang, health)."""
+
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]]):
+        self.counts = counts
+
+    def collect(self):
+        family = CounterMetricFamily("vsup_incidents", "Units that went down unasked, by role and cause.",
+                                     labels=["role", "cause"])
+        for (role, cause), count in sorted(self.counts().items()):
+            family.add_metric([role, cause], count)
         yield family
 
 

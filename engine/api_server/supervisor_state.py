@@ -32,6 +32,12 @@ def restarts_by_role(state: dict, roles) -> dict[str, int]:
     return restarts
 
 
+def incidents(state: dict) -> dict[tuple[str, str], int]:
+    """{(role, cause): incidents since the supervisor started} (vsup incidents)."""
+    counts = (state.get("incidents") or {}).get("counts") or {}
+    return {tuple(key.split("/", 1)): int(n) for key, n in counts.items() if "/" in key}
+
+
 def failed_ranks(state: dict) -> dict[int, str]:
     """{dp rank: why} for each rank whose engine core or worker group vsup marked failed (past
     --max-restarts): it will not come back, where a rank that is down will."""

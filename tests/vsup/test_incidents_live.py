@@ -83,6 +83,12 @@ def test_a_segfault_is_one_incident_a_crash_with_its_native_stack(home):
     listed = vsup("incidents", "--name", "inc-segv").stdout.splitlines()
     assert listed[0].split() == ["ID", "WHEN", "(UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "VERDICT"]
     assert "worker-group dp0" in listed[1] and "crash" in listed[1]
+    # ps, also once the supervisor is gone, names each unit's last incident; its counts feed /metrics
+    said = vsup("ps", "--name", "inc-segv").stdout
+    assert f"last incident of worker-group dp0: 1 at {incident['at'][11:19]} UTC, crash: crashed: segmentation " \
+           f"fault (SIGSEGV) (vsup incidents show 1)" in said, said
+    counts = ps("inc-segv")["incidents"]["counts"]
+    assert counts["worker/crash"] == 1 and sum(counts.values()) == 1 and counts["api-server/oom"] == 0
 
 
 def test_sigkill_from_outside_is_told_from_the_oom_killer_and_from_vsup(home):

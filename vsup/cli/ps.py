@@ -146,9 +146,17 @@ def render(state: dict, flat: bool = False) -> str:
                      format_bytes(memory) if memory else "-", summary(p["role"], p.get("load"))))
     lines = [head, *_table(columns, rows)]
     lines += state.get("diagnosis") or []
+    lines += incident_lines(state)
     lines += [f"cuda:{o['gpu']} is also held by pid {o['pid']} ({o.get('cmdline') or '?'}): {format_bytes(o['bytes'])}"
               for o in state.get("gpu_others") or []]
     return "\n".join(lines)
+
+
+def incident_lines(state: dict) -> list[str]:
+    """Under the table: each unit's last incident, in short (vsup/supervisor/incidents.py)."""
+    last = (state.get("incidents") or {}).get("last") or {}
+    return [f"last incident of {unit}: {i['id']} at {(i.get('at') or '')[11:19]} UTC, {i['cause']}: {i['verdict']}"
+            f" (vsup incidents show {i['id']})" for unit, i in sorted(last.items(), key=lambda kv: kv[1]["at"])]
 
 
 LIVE_COLUMNS = ("PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "CPU%", "CPUS", "RSS", "DEVICE")

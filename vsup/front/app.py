@@ -159,6 +159,10 @@ class Front:
                  "# TYPE vsup_restarts_total counter"]
         lines += [f'vsup_restarts_total{{role="{role}"}} {int(self.router.trees.restarts.get(role, 0))}'
                   for role in (*ROLES, HELPER)]
+        lines += ["# HELP vsup_incidents_total Units that went down unasked, by role and cause.",
+                  "# TYPE vsup_incidents_total counter"]
+        lines += [f'vsup_incidents_total{{role="{key.split("/")[0]}",cause="{key.split("/")[-1]}"}} {n}'
+                  for key, n in sorted(self.router.trees.incidents.items())]
         lines += ["# HELP vsup_front_resumed_total Requests the front resumed on a new tree.",
                   "# TYPE vsup_front_resumed_total counter", f"vsup_front_resumed_total {self.relay.resumed_total}",
                   "# HELP vsup_front_pending Requests waiting for a vLLM tree now.",

@@ -23,7 +23,7 @@ class Trees:
 
     def __init__(self, replicas: int):
         self.gens, self.ups = [0] * replicas, [False] * replicas
-        self.stopping, self.restarts = False, {}
+        self.stopping, self.restarts, self.incidents = False, {}, {}
         self._changed = asyncio.Event()
 
     def update(self, news: TreeNews) -> None:
@@ -31,6 +31,7 @@ class Trees:
         if not 0 <= r < len(self.gens):
             raise ValueError(f"replica {r}")
         self.gens[r], self.ups[r], self.stopping, self.restarts = news.gen, news.up, news.stopping, news.restarts
+        self.incidents = news.incidents
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from vsup import procfs
 from vsup.exits import returncode_of
 from vsup.supervisor import incident_store
-from vsup.supervisor.incidents import MAX_LINES, Death, Incident, Memory, consequence_of, open_incident
+from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory, consequence_of, open_incident
 
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
 OOM_SCORE_ADJ = -500
@@ -64,12 +64,18 @@ class MemoryWatch:
 
 
 class IncidentKeeper:
-    def __init__(self, run_dir: Path, tail, log, later):
+    def __init__(self, run_dir: Path, tail, log, later, roles=()):
         """`tail(name)`: a process's last lines, each (monotonic time, pid, `LEVEL text`), the log router's;
-        `log`: the supervisor's; `later(fn)`: run fn on the loop a second on."""
+        `log`: the supervisor's; `later(fn)`: run fn on the loop a second on; `roles`: the plan's, each
+        counted from 0 for every cause (a counter that is born at 1 shows no increase)."""
         self.run_dir, self.tail, self.log, self.later = Path(run_dir), tail, log, later
         self.open: dict[str, Incident] = {}  # unit -> the incident it is down in (its own, or one it followed)
         self.memory = MemoryWatch()
+        # "role/cause" -> incidents since this supervisor started (metrics)
+        self.counts: dict[str, int] = {f"{role}/{cause}": 0 for role in roles for cause in CAUSES}
+        self.last: dict[str, dict] = {}  # unit -> its last incident, in short (ps), from earlier runs' on
+        for kept in reversed(incident_store.load_all(self.run_dir)):
+            self.last[kept["unit"]] = _short(kept)
         try:  # the OOM killer's last choice among vsup's processes (a negative value needs CAP_SYS_RESOURCE)
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write(str(OOM_SCORE_ADJ))
@@ -111,6 +117,8 @@ class IncidentKeeper:
         incident.pids = pids
         self.open[unit] = incident
         self._write(incident)
+        key = f"{role or 'unknown'}/{incident.cause}"
+        self.counts[key] = self.counts.get(key, 0) + 1
         self.later(lambda: self._refresh(incident))
         self.log("incident", "warning", id=incident.id, unit=unit, cause=incident.cause, verdict=incident.verdict)
 
@@ -150,10 +158,15 @@ class IncidentKeeper:
             self._write(incident)
 
     def _write(self, incident: Incident) -> None:
+        self.last[incident.unit] = _short(incident.to_json())
         try:
             incident_store.write(self.run_dir, incident.to_json())
         except OSError as e:
             self.log("could not write the incident", "error", id=incident.id, error=str(e))
+
+
+def _short(incident: dict) -> dict:
+    return {k: incident.get(k) for k in ("id", "at", "cause", "verdict", "restart_s", "gave_up")}
 
 
 def _error(line: str) -> bool:

@@ -20,6 +20,7 @@ import re
 import signal as signals
 from dataclasses import dataclass, field
 
+CAUSES = ("oom", "killed", "crash", "error", "exit", "hang", "health")  # `verdict`'s, in one word
 CONSEQUENCE_S = 5.0
 MAX_LINES = 20  # of each process's last lines, and of what followed the death
 LEVELS = ("debug", "info", "warning", "error", "critical")  # (how a kept line begins)

@@ -88,7 +88,7 @@ class Supervisor:
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
         self.incidents = IncidentKeeper(run_dir.path, router.tail, self.log,
-                                        lambda fn: self.loop.at(time.monotonic() + 1.0, fn))
+                                        lambda fn: self.loop.at(time.monotonic() + 1.0, fn), self.adapter.plan.roles)
         self.head_answered: float | None = None
         self.head_watch = HeadWatch(options.head, self.loop.post, options.group_secret) if options.head else None
         self.probes = None
@@ -318,6 +318,7 @@ class Supervisor:
                 "units": {str(u): {"state": life.phase, "restarts": life.restarts.total,
                                    **self.adapter.unit_extra(u)} for u, life in self.lives.items()},
                 "processes": self.adapter.rows(),
+                "incidents": {"last": self.incidents.last, "counts": self.incidents.counts},
                 "remote": self.adapter.remote()}
 
     def save(self) -> None:

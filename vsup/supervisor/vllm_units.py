@@ -291,7 +291,8 @@ class VllmUnits:
         for tree in self.trees:
             for role, n in tree.by_role.items():
                 restarts[role] = restarts.get(role, 0) + n
-        news = [encode_line(TreeNews(tree.r or 0, tree.gen, self.up(tree), self.sup.stopping, restarts))
+        news = [encode_line(TreeNews(tree.r or 0, tree.gen, self.up(tree), self.sup.stopping, restarts,
+                                     dict(self.sup.incidents.counts)))
                 for tree in self.trees]
         try:
             os.write(self.front_w, b"".join(news))
