@@ -196,6 +196,14 @@ def test_requests_waiting_with_no_token_restart_the_tree(vllm_deployment):
     assert any("no token for" in json.loads(line).get("why", "") for line in lines.splitlines())
     assert state["units"]["vllm"]["restarts"] >= 1
     vllm_deployment.wait_serving(timeout=START_S)
+    # one incident, a hang, with the stacks of every process of the tree taken before vsup killed it: the
+    # stopped worker's say where it stood (py-spy reads a stopped process too)
+    hang = json.loads(vllm_deployment.vsup("incidents", "--json").stdout)[0]
+    assert hang["cause"] == "hang" and "and no token for" in hang["verdict"], hang
+    assert hang["death"] is None and hang["restart_s"]
+    stack = hang["stacks"]["worker dp0 pp0 tp0"]
+    assert f"Process {before['worker dp0 pp0 tp0']}:" in stack and "Thread" in stack and "(" in stack, stack
+    assert {"api-server a0", "engine-core dp0"} <= set(hang["stacks"]) and hang["stacks_s"] < 3.0
 
 
 def test_the_vllm_dashboard_queries_what_a_real_scrape_of_the_front_has(vllm_deployment):

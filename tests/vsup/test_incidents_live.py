@@ -28,8 +28,8 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def start(name, prefix=()):
-    return subprocess.Popen([*prefix, sys.executable, str(TREE), name, "1", "1", "5"], stdout=subprocess.PIPE,
+def start(name, prefix=(), tp=1):
+    return subprocess.Popen([*prefix, sys.executable, str(TREE), name, str(tp), "1", "5"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -37,9 +37,8 @@ def healed(name, old_pid):
     """ps once the worker runs again under a new pid and every process is ready."""
     def check():
         state = ps(name)
-        rows = {p["name"]: p for p in state["processes"]}
         ready = all(p["state"] == "ready" for p in state["processes"])
-        return state if ready and rows[WORKER]["pid"] not in (None, old_pid) else None
+        return state if ready and old_pid not in {p["pid"] for p in state["processes"]} else None
     return wait_for(check, timeout=60, what="the worker's group restarted and ready")
 
 
@@ -49,16 +48,16 @@ def incidents(name):
     return json.loads(result.stdout)
 
 
-def die_and_heal(name, how, prefix=()):
-    """Start the tree, end its worker by `how(pid)`, and wait for the restart; the incidents, read after the
-    stop, and every pid the tree had."""
-    proc = start(name, prefix)
+def die_and_heal(name, how, prefix=(), tp=1, victim=WORKER):
+    """Start the tree, end its worker `victim` by `how(pid)`, and wait for the restart; the incidents, read
+    after the stop, and every pid the tree had."""
+    proc = start(name, prefix, tp)
     try:
         state = serving(name)
         pids = {p["name"]: p["pid"] for p in state["processes"]}
-        wait_for(lambda: procfs.peak_rss(pids[WORKER]), timeout=5, what="the worker sampled")  # (a second)
-        how(pids[WORKER])
-        after = healed(name, pids[WORKER])
+        wait_for(lambda: procfs.peak_rss(pids[victim]), timeout=5, what="the worker sampled")  # (a second)
+        how(pids[victim])
+        after = healed(name, pids[victim])
     finally:
         code, _, err = stop(proc)
     assert code == 0, err
@@ -91,18 +90,24 @@ def test_a_segfault_is_one_incident_a_crash_with_its_native_stack(home):
     assert counts["worker/crash"] == 1 and sum(counts.values()) == 1 and counts["api-server/oom"] == 0
 
 
-def test_sigkill_from_outside_is_told_from_the_oom_killer_and_from_vsup(home):
+def test_sigkill_from_outside_is_told_from_the_oom_killer_and_from_vsup_with_the_survivors_stacks(home):
+    """TP 2, tp1 killed: tp0 survives it until vsup ends the group, and its stacks say where it stood."""
     seen = []
 
     def kill(pid):
         seen.append(procfs.peak_rss(pid))
         os.kill(pid, signal.SIGKILL)
-    found, pids = die_and_heal("inc-kill", kill)
+    found, pids = die_and_heal("inc-kill", kill, tp=2, victim="worker dp0 pp0 tp1")
     assert [(i["cause"], i["verdict"]) for i in found] == [
         ("killed", "killed by SIGKILL from outside vsup (not the OOM killer: its counters did not move)")]
     memory = found[0]["death"]["memory"]
     assert memory["cgroup_oom_kills"][0] == memory["cgroup_oom_kills"][1] is not None
     assert memory["peak_rss_bytes"] >= seen[0] > 0  # (its VmHWM just before the kill)
+    incident = found[0]
+    assert incident["survivors"] == [{"process": WORKER, "pid": pids[WORKER]}]
+    assert list(incident["stacks"]) == [WORKER] and "<module> (child.py:" in incident["stacks"][WORKER], \
+        incident["stacks"]
+    assert 0 < incident["stacks_s"] < 3.0  # (py-spy's cost, under its deadline)
 
 
 def test_an_exception_is_an_error_naming_it(home):

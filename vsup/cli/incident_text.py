@@ -57,6 +57,9 @@ def render_one(i: dict) -> str:
         if said:
             lines.append(f"last lines of {process}:")
             lines += [f"  {line}" for line in said]
+    for process, text in (i.get("stacks") or {}).items():
+        lines.append(f"stacks of {process} (py-spy, {i.get('stacks_s')} s for all):")
+        lines += [f"  {line}" for line in text.rstrip().splitlines()]
     if i.get("consequences"):
         lines.append("what followed (consequences, not incidents of their own):")
         lines += [f"  {line}" for line in i["consequences"]]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vsup import procfs
 from vsup.exits import returncode_of
-from vsup.supervisor import incident_store
+from vsup.supervisor import incident_store, stacks
 from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory, consequence_of, open_incident
 
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
@@ -115,6 +115,9 @@ class IncidentKeeper:
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
         incident.pids = pids
+        # where each one still running stands, before vsup kills it: the survivors of a death, or every
+        # process of a hung (or unhealthy) unit
+        incident.stacks, incident.stacks_s = stacks.take({s["process"]: s["pid"] for s in survivors})
         self.open[unit] = incident
         self._write(incident)
         key = f"{role or 'unknown'}/{incident.cause}"

@@ -147,6 +147,8 @@ class Incident:
     restart_s: float | None = None
     gave_up: str | None = None  # vsup's reason, when this was the unit's last
     pids: dict = field(default_factory=dict)  # process -> its pid then (not written)
+    stacks: dict = field(default_factory=dict)  # process -> its Python stacks (py-spy), of those still running
+    stacks_s: float | None = None  # what taking them cost
 
     def lines_came(self, last_lines: dict[str, list[str]]) -> None:
         """Each process's last lines as read now (a dead process's last words can still be in its pipe when
@@ -168,8 +170,8 @@ class Incident:
                                 "pressure_avg10": d.memory.pressure_avg10}}
         return {"id": self.id, "at": self.at, "unit": self.unit, "role": self.role, "cause": self.cause,
                 "verdict": self.verdict, "why": self.why, "death": death, "survivors": self.survivors,
-                "last_lines": self.last_lines, "consequences": self.consequences, "restart_s": self.restart_s,
-                "gave_up": self.gave_up}
+                "last_lines": self.last_lines, "stacks": self.stacks, "stacks_s": self.stacks_s,
+                "consequences": self.consequences, "restart_s": self.restart_s, "gave_up": self.gave_up}
 
 
 def open_incident(id: str, at: str, now: float, unit: str, role: str | None, why: str, death: Death | None,
