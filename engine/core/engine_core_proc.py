@@ -220,7 +220,7 @@ class EngineCoreProc:
         if now - self.gauges_at >= GAUGES_S:
             stats = self.core.stats()
             self.meter.set(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                           kv_cache_usage=round(stats.kv_cache_usage, 4))
+                           kv_cache_usage=round(stats.kv_cache_usage, 4), steps=self.core.num_steps)
             stalls = self.core.scheduler.num_kv_stalls
             self.meter.count("kv_stalls", stalls - self.kv_stalls_counted)
             self.kv_stalls_counted = stalls

@@ -47,11 +47,11 @@ def render_one(i: dict) -> str:
             figures.append(f"memory pressure {memory['pressure_avg10']:g}% (some, avg10)")
         if figures:
             lines.append("  memory   " + "; ".join(figures))
-    else:
+    elif i["why"] != i["verdict"]:
         lines.append(f"  why      {i['why']}")
     if i.get("survivors"):
         lines.append("  killed   " + ", ".join(f"{s['process']} (pid {s['pid']})" for s in i["survivors"])
-                     + " (the rest of the unit, by vsup)")
+                     + " (still running: vsup ended them, after their stacks below)")
     lines.append(f"  restart  {_restart(i)}" + (f": {i['gave_up']}" if i.get("gave_up") else ""))
     for process, said in (i.get("last_lines") or {}).items():
         if said:

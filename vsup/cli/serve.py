@@ -102,7 +102,7 @@ def serve(
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
                   port_socket=port_socket, probe_socket=probe_socket, head=head_of(parallel, port, probe_port),
-                  head_timeout=health_timeout)
+                  head_timeout=health_timeout, hang_timeout=hang_timeout)
     if vllm:
         from vsup.supervisor.vllm_units import VllmOptions
         from vsup.vllm.args import check_nodes, check_supported

@@ -25,6 +25,9 @@ from vsup.supervisor.notify import CoreNotifier
 from vsup.supervisor.states import ProcessState
 from vsup.supervisor.units import UnitId, UnitKind
 from vsup.topology import API_SERVER, ENGINE_CORE, WORKER, Plan, process_name
+from vsup.vllm.progress import Progress
+
+SILENT_S = 6.0  # an engine core reports its load every 2 s, from a thread of its own: silent this long, it is stopped
 
 
 def placement_env(where, env: dict) -> dict:
@@ -50,6 +53,7 @@ class EngineUnits:
         self.generation: dict[int, int] = {}
         self.notifier = CoreNotifier(sup.run_dir)
         self.loads: dict[str, dict] = {}  # process name -> its last load report (engine/load.py)
+        self.progress: dict[int, Progress] = {}  # DP rank -> its engine core's steps since its rank was ready
         self.waiting: deque[UnitId] = deque()  # API servers to restart gracefully, one at a time
         sup.router.sinks.append(lambda records: self._pick(records))
         sup.router.on_load = lambda record: sup.loop.post(("load", record))
@@ -89,7 +93,31 @@ class EngineUnits:
     # starting
 
     def before_start(self) -> None:
-        pass
+        self.sup.loop.at(time.monotonic() + 1.0, self.watch_progress)
+
+    def watch_progress(self) -> None:
+        """Every second: a rank whose engine core has requests and has stepped none for --hang-timeout is hung
+        (its load reports carry both). Its worker group restarts (the core keeps the requests), or the core's
+        unit when the core itself has gone silent (a stopped process sends no report)."""
+        now = time.monotonic()
+        for core in (c for c in self.children if c.spec.role == ENGINE_CORE):
+            dp = core.spec.dp
+            rank = [u for u in self.members if u.dp == dp and u.kind in (UnitKind.ENGINE_CORE, UnitKind.WORKER_GROUP)]
+            load = self.loads.get(core.spec.name)
+            if any(self.sup.lives[u].phase != Phase.READY for u in rank) or not load or load.get("pid") != core.pid \
+                    or "steps" not in load:
+                self.progress.pop(dp, None)
+                continue
+            progress = self.progress.setdefault(dp, Progress(float("inf"), self.sup.options.hang_timeout, now))
+            why = progress.update(now, True, (load.get("num_running", 0) + load.get("num_waiting", 0), load["steps"]))
+            if why:
+                silent_s = time.time() - load["received_at"]
+                core_stuck = silent_s > SILENT_S
+                unit = next(u for u in rank if u.kind == (UnitKind.ENGINE_CORE if core_stuck else UnitKind.WORKER_GROUP))
+                self.progress.pop(dp)
+                self.sup.post(unit, lc.Stalled(why.replace("no token", "no step") + (
+                    f"; {core.spec.name} has said nothing for {silent_s:.0f} s" if core_stuck else "")))
+        self.sup.loop.at(now + 1.0, self.watch_progress)
 
     def startup_timeout(self) -> float:
         return self.sup.options.startup_timeout

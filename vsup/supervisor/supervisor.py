@@ -60,6 +60,7 @@ class Options:
     probe_socket: socket.socket | None = None  # --probe-port's, bound by `vsup serve`: the kubelet's probes
     head: tuple[str, int] | None = None  # a headless node's head (host, port): given up after head_timeout
     head_timeout: float = 30.0
+    hang_timeout: float = 120.0  # requests waiting and no step for this long: a hang (our engine's cores)
     group_secret: str | None = None  # the cluster secret, with a stock vLLM across nodes: signs group.py's reports
 
 

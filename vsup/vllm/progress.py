@@ -1,7 +1,9 @@
-"""When a stock vLLM that still runs has stopped serving. Pure.
+"""When an engine that still runs has stopped serving. Pure.
 
 vLLM can hang with /health at 200 (its issues #39863, #11996), so health alone
 is not enough: requests that wait while no token comes out are a hang too.
+Our own engine's cores are watched the same way, by their steps
+(vsup/supervisor/engine_units.py).
 """
 
 from __future__ import annotations
