@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def test_a_segfault_is_one_incident_a_crash_with_its_native_stack(home):
     listed = vsup("incidents", "--name", "inc-segv").stdout.splitlines()
     assert listed[0].split() == ["ID", "WHEN", "(UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "VERDICT"]
     assert "worker-group dp0" in listed[1] and "crash" in listed[1]
+    # docs/operating.md shows this list as it is (its time and restart masked)
+    doc = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
+    sample = next(b for b in doc.split("```text\n")[1:] if b.startswith("ID  WHEN")).split("```")[0].splitlines()
+
+    def masked(line):
+        return re.sub(r"^\d+ |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|\d+\.\ds", "*", line)
+    assert sample[0] == listed[0] and masked(sample[2]) == masked(listed[1]), (sample, listed)
     # ps, also once the supervisor is gone, names each unit's last incident; its counts feed /metrics
     said = vsup("ps", "--name", "inc-segv").stdout
     assert f"last incident of worker-group dp0: 1 at {incident['at'][11:19]} UTC, crash: crashed: segmentation " \
@@ -137,7 +145,13 @@ def cgroup():
 
 def test_the_oom_killer_is_named_from_the_cgroups_counter(home, cgroup):
     prefix = ("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh")
-    found, pids = die_and_heal("inc-oom", lambda pid: os.kill(pid, signal.SIGTTIN), prefix)
+    adjusted = []
+
+    def hog(pid):  # (the supervisor made itself the OOM killer's last choice first)
+        adjusted.append(Path(f"/proc/{ps('inc-oom')['supervisor']['pid']}/oom_score_adj").read_text().strip())
+        os.kill(pid, signal.SIGTTIN)
+    found, pids = die_and_heal("inc-oom", hog, prefix)
+    assert adjusted == ["-500"]
     assert len(found) == 1, found
     incident = found[0]
     assert incident["cause"] == "oom", incident
