@@ -130,6 +130,18 @@ def memory_pressure() -> float | None:
         return None
 
 
+def set_oom_score_adj(pid: int, value: int) -> bool:
+    """Whether the process's oom_score_adj is `value` now (lowering it needs CAP_SYS_RESOURCE)."""
+    path = f"/proc/{pid}/oom_score_adj"
+    try:
+        with open(path, "w") as f:
+            f.write(str(value))
+        with open(path) as f:
+            return int(f.read()) == value
+    except (OSError, ValueError):
+        return False
+
+
 def _keyed(path: str, key: str) -> int | None:
     try:
         with open(path) as f:

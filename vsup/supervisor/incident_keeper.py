@@ -4,12 +4,14 @@ serves again, written to the run dir at each (incident_store.py). On the loop's 
 
 While they live, every second: each process's peak RSS and the OOM-kill counters of its memory cgroup
 and of the machine, so that a death's "before" is a sample from before it and its "after" is read
-right after it. The supervisor also makes itself the OOM killer's last choice among its processes
-(`oom_score_adj` -500), so that it picks a worker, whose death vsup heals, not the supervisor.
+right after it. The supervisor also makes itself the OOM killer's last choice among its processes, so that it
+picks a worker, whose death vsup heals, not the supervisor: its own `oom_score_adj` -500 where it may lower it
+(CAP_SYS_RESOURCE), else each of its processes' +OOM_RAISE as it first sees it (raising needs no privilege).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import replace
@@ -23,10 +25,12 @@ from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory
 
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
 OOM_SCORE_ADJ = -500
+OOM_RAISE = 100
 
 
 class MemoryWatch:
-    def __init__(self):
+    def __init__(self, raise_oom: bool = False):
+        self.raise_oom = raise_oom  # each new process's oom_score_adj to +OOM_RAISE (the supervisor could not lower its own)
         self.cgroups: dict[int, str | None] = {}  # pid -> its memory cgroup
         self.peaks: dict[int, int] = {}
         self.counts: dict[str, deque[tuple[float, int | None]]] = {}  # cgroup (or "machine") -> samples
@@ -35,6 +39,8 @@ class MemoryWatch:
         for pid in pids:
             if pid not in self.cgroups:
                 self.cgroups[pid] = procfs.memory_cgroup(pid)
+                if self.raise_oom:
+                    procfs.set_oom_score_adj(pid, OOM_RAISE)
             peak = procfs.peak_rss(pid)
             if peak is not None:
                 self.peaks[pid] = max(peak, self.peaks.get(pid, 0))
@@ -70,17 +76,12 @@ class IncidentKeeper:
         counted from 0 for every cause (a counter that is born at 1 shows no increase)."""
         self.run_dir, self.tail, self.log, self.later = Path(run_dir), tail, log, later
         self.open: dict[str, Incident] = {}  # unit -> the incident it is down in (its own, or one it followed)
-        self.memory = MemoryWatch()
+        self.memory = MemoryWatch(raise_oom=not procfs.set_oom_score_adj(os.getpid(), OOM_SCORE_ADJ))
         # "role/cause" -> incidents since this supervisor started (metrics)
         self.counts: dict[str, int] = {f"{role}/{cause}": 0 for role in roles for cause in CAUSES}
         self.last: dict[str, dict] = {}  # unit -> its last incident, in short (ps), from earlier runs' on
         for kept in reversed(incident_store.load_all(self.run_dir)):
             self.last[kept["unit"]] = _short(kept)
-        try:  # the OOM killer's last choice among vsup's processes (a negative value needs CAP_SYS_RESOURCE)
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write(str(OOM_SCORE_ADJ))
-        except OSError:
-            pass
 
     def sample(self, pids: list[int]) -> None:
         self.memory.sample(pids, time.monotonic())
