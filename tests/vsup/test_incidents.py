@@ -81,3 +81,16 @@ def test_the_store_drops_the_oldest_beyond_its_bytes(tmp_path, monkeypatch):
     size = (folder / "5.json").stat().st_size  # (each the same)
     assert 3000 // size < 5
     assert [i["id"] for i in incident_store.load_all(tmp_path)] == [str(n) for n in range(5, 5 - 3000 // size, -1)]
+
+
+def test_the_flight_recorder_is_on_only_on_cuda_and_never_over_the_users_own(tmp_path):
+    from vsup.supervisor import flight_recorder
+
+    assert flight_recorder.env(tmp_path, "cpu", {}) == {}
+    on = flight_recorder.env(tmp_path, "cuda", {"TORCH_FR_BUFFER_SIZE": "50"})
+    assert "TORCH_FR_BUFFER_SIZE" not in on and on["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert on["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl" / "trace_rank_")
+    (tmp_path / "nccl" / "trace_rank_1").write_bytes(b"x")
+    (tmp_path / "nccl" / "other").write_bytes(b"x")
+    assert [d["name"] for d in flight_recorder.dumps(tmp_path, 0)] == ["trace_rank_1"]
+    assert flight_recorder.dumps(tmp_path, 4e9) == []  # (written before the unit started: not its)

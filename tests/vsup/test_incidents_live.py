@@ -159,3 +159,30 @@ def test_the_oom_killer_is_named_from_the_cgroups_counter(home, cgroup):
     assert incident["verdict"] == f"killed by the kernel's OOM killer (oom_kill of the cgroup {cgroup}: 0 before, " \
                                   f"1 after)"
     assert incident["death"]["pid"] == pids[WORKER] and incident["death"]["memory"]["peak_rss_bytes"] > 100 * 2**20
+
+
+def test_on_cuda_the_flight_recorder_is_on_and_its_dumps_are_listed(home, tmp_path):
+    """A CUDA plan (fake/nvml stands in for the driver): every worker gets NCCL's flight recorder variables,
+    and a dump the dying worker wrote (as torch's watchdog would) is listed in its incident, not loaded."""
+    holders = tmp_path / "holders.json"
+    holders.write_text("[]")
+    proc = subprocess.Popen([sys.executable, str(TREE), "inc-nccl", "1", "1", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "FAKE_NVML_HOLDERS": str(holders)})
+    try:
+        state = serving("inc-nccl")
+        worker = {p["name"]: p["pid"] for p in state["processes"]}[WORKER]
+        os.kill(worker, signal.SIGUSR2)
+        healed("inc-nccl", worker)
+        wait_for(lambda: incidents("inc-nccl")[0]["nccl_dumps"], timeout=5, what="the dump listed")
+    finally:
+        assert stop(proc)[0] == 0
+    prefix = str(home / "inc-nccl" / "nccl" / "trace_rank_")
+    given = json.loads(Path(prefix + "0").read_text())  # (the stand-in wrote the variables it was given)
+    assert given == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+                     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    (incident,) = incidents("inc-nccl")
+    size = Path(prefix + "0").stat().st_size
+    assert incident["nccl_dumps"] == [{"name": "trace_rank_0", "bytes": size, "path": prefix + "0"}]
+    shown = vsup("incidents", "show", "1", "--name", "inc-nccl").stdout
+    assert f"NCCL flight recorder dump: {prefix}0 ({size} bytes" in shown, shown

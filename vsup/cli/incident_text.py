@@ -60,6 +60,9 @@ def render_one(i: dict) -> str:
     for process, text in (i.get("stacks") or {}).items():
         lines.append(f"stacks of {process} (py-spy, {i.get('stacks_s')} s for all):")
         lines += [f"  {line}" for line in text.rstrip().splitlines()]
+    for dump in i.get("nccl_dumps") or []:
+        lines.append(f"NCCL flight recorder dump: {dump['path']} ({dump['bytes']} bytes; read it with "
+                     f"python -m torch.distributed.flight_recorder.fr_trace)")
     if i.get("consequences"):
         lines.append("what followed (consequences, not incidents of their own):")
         lines += [f"  {line}" for line in i["consequences"]]

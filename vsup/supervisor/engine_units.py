@@ -18,7 +18,7 @@ from collections import deque
 
 from vsup import addresses, procfs
 from vsup.supervisor import lifecycle as lc
-from vsup.supervisor import units
+from vsup.supervisor import flight_recorder, units
 from vsup.supervisor.child import Child
 from vsup.supervisor.lifecycle import How, Limits, Note, Phase
 from vsup.supervisor.notify import CoreNotifier
@@ -79,7 +79,8 @@ class EngineUnits:
         death = None if culprit is None else (culprit.spec.name, culprit.pid, culprit.last_exit, culprit.sent,
                                               culprit.peak_rss)
         return {"role": (culprit or members[0]).spec.role, "death": death,
-                "members": [{"process": c.spec.name, "pid": c.pid, "alive": c.alive} for c in members]}
+                "members": [{"process": c.spec.name, "pid": c.pid, "alive": c.alive} for c in members],
+                "since": min((c.started_at for c in members if c.started_at), default=0.0)}
 
     def live_pids(self) -> list[int]:
         return [c.pid for c in self.children if c.alive]
@@ -135,6 +136,7 @@ class EngineUnits:
         children = [c for c in self.members[unit] if not c.alive]
         env = {**os.environ, **(self.sup.options.env or {}), "VSUP_SUPERVISOR_PID": str(os.getpid()),
                "VSUP_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+        env.update(flight_recorder.env(self.sup.run_dir.path, self.plan.config.device, env))
         for dp in {c.spec.dp for c in children if c.spec.role == WORKER}:
             self.generation[dp] = self.generation.get(dp, 0) + 1
         for child in children:

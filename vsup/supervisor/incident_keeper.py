@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vsup import procfs
 from vsup.exits import returncode_of
-from vsup.supervisor import incident_store, stacks
+from vsup.supervisor import flight_recorder, incident_store, stacks
 from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory, consequence_of, open_incident
 
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
@@ -86,10 +86,11 @@ class IncidentKeeper:
     def sample(self, pids: list[int]) -> None:
         self.memory.sample(pids, time.monotonic())
 
-    def record(self, unit: str, role: str | None, why: str, death: tuple | None, members: list[dict]) -> None:
+    def record(self, unit: str, role: str | None, why: str, death: tuple | None, members: list[dict],
+               since: float = 0.0) -> None:
         """Unit `unit` went down (`why`); `death`: (process, pid, exit, the signal vsup sent it or None, its peak
         RSS from wait4 or None) of the first of its processes to go, None for a hang or failing health;
-        `members`: its processes (name, pid, alive)."""
+        `members`: its processes (name, pid, alive); `since`: when the unit last started (wall clock)."""
         now = time.monotonic()
         mine = self.open.get(unit)
         if mine is not None and mine.unit == unit and mine.restart_s is None:
@@ -115,7 +116,7 @@ class IncidentKeeper:
         pids = {m["process"]: m["pid"] for m in members}
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
-        incident.pids = pids
+        incident.pids, incident.since = pids, since
         # where each one still running stands, before vsup kills it: the survivors of a death, or every
         # process of a hung (or unhealthy) unit
         incident.stacks, incident.stacks_s = stacks.take({s["process"]: s["pid"] for s in survivors})
@@ -134,6 +135,7 @@ class IncidentKeeper:
             return
         incident.restart_s = round(time.monotonic() - incident.opened_s, 1)
         incident.lines_came(self._last_lines(incident.pids))
+        incident.nccl_dumps = flight_recorder.dumps(self.run_dir, incident.since)
         dead = incident.death.pid if incident.death else None
         after = [(t, f"{name}: {text}") for name in followers for t, pid, text in self.tail(name)
                  if t > incident.opened_s and pid == incident.pids.get(name) != dead and _error(text)]
@@ -153,6 +155,7 @@ class IncidentKeeper:
         """A second on: the lines that were still in the pipes of the dead process when it was opened."""
         if incident.restart_s is None:
             incident.lines_came(self._last_lines(incident.pids))
+            incident.nccl_dumps = flight_recorder.dumps(self.run_dir, incident.since)
             self._write(incident)
 
     def gave_up(self, unit: str, reason: str) -> None:

@@ -48,6 +48,7 @@ from pathlib import Path
 from vsup import addresses, procfs, shm_sweep, unix_http
 from vsup.exits import describe_exit
 from vsup.messages import Hello, TreeNews, encode_line
+from vsup.supervisor import flight_recorder
 from vsup.supervisor import lifecycle as lc
 from vsup.supervisor.child import Child
 from vsup.supervisor.control import listen_unix
@@ -242,6 +243,7 @@ class VllmUnits:
                "VSUP_HOOK_SHM_LOG": str(tree.dir / shm_sweep.LIST), "VSUP_HOOK_REAP_LOG": str(tree.dir / REAP_LOG),
                "TMPDIR": str(tmp), "PYTHONFAULTHANDLER": "1",
                "PYTHONPATH": os.pathsep.join([HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env.update(flight_recorder.env(self.sup.run_dir.path, self.plan.config.device, env))
         # the root's own fds 1 and 2 are replaced by the hook's connections; these pipes catch what comes before
         for pid in [pid for pid, owner in list(self.tree_of.items()) if owner is tree]:  # its last tree's
             self.tree_of.pop(pid, None)
@@ -326,7 +328,8 @@ class VllmUnits:
                                             getattr(cause, "sent", None), getattr(cause, "peak_rss", None))
         procs = [tree.root, *tree.procs.values()]
         return {"role": (tree.blame or (None, tree.root.spec.role))[1], "death": death,
-                "members": [{"process": tree.name_of(p), "pid": p.pid, "alive": p.alive} for p in procs]}
+                "members": [{"process": tree.name_of(p), "pid": p.pid, "alive": p.alive} for p in procs],
+                "since": tree.root.started_at or 0.0}
 
     def live_pids(self) -> list[int]:
         pids = [self.front.pid] if self.front is not None and self.front.alive else []

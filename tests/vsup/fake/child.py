@@ -5,7 +5,8 @@ FAKE_LINGER=PREFIX=SECONDS,... makes those take that long to exit on SIGTERM.
 FAKE_QUIET=PREFIX=SECONDS,... makes those start that long, in silence, before they say ready.
 
 Once ready, each dies as a test asks: SIGUSR1 segfaults it (a NULL read through ctypes), SIGUSR2 makes it
-raise, SIGTTIN makes it allocate memory until something stops it (the OOM killer, in a test's cgroup).
+raise (writing a stand-in flight recorder dump first where TORCH_FR_DUMP_TEMP_FILE is set), SIGTTIN makes it
+allocate memory until something stops it (the OOM killer, in a test's cgroup).
 """
 
 import json
@@ -51,6 +52,9 @@ def segfault(*_):
 
 
 def fail(*_):
+    if os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):  # (as torch's watchdog dumps the flight recorder, rank appended)
+        with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "w") as f:  # (what it was given, for the test)
+            json.dump({k: v for k, v in os.environ.items() if k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}, f)
     raise RuntimeError(f"{name}: CUDA error: an illegal memory access was encountered (simulated)")
 
 
