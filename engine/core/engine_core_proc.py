@@ -37,6 +37,7 @@ from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Drain, Fa
 log = structlog.get_logger("engine-core")
 HEARTBEAT_S = 1.0
 LOAD_COUNTERS_S = 0.1  # step counters reach the coordinator this often while they run
+REPORTED_REQUESTS = 256  # of the requests it holds, at most this many named in its load report (for incidents)
 GAUGES_S = 0.5         # running, waiting and KV use for `vsup ps` (engine/load.py)
 
 
@@ -219,8 +220,11 @@ class EngineCoreProc:
         now = time.monotonic()
         if now - self.gauges_at >= GAUGES_S:
             stats = self.core.stats()
+            scheduler = self.core.scheduler
+            held = [*scheduler.running, *scheduler.waiting][:REPORTED_REQUESTS]  # (ids and counts: never text)
             self.meter.set(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                           kv_cache_usage=round(stats.kv_cache_usage, 4), steps=self.core.num_steps)
+                           kv_cache_usage=round(stats.kv_cache_usage, 4), steps=self.core.num_steps,
+                           requests=[[r.req_id, len(r.token_ids) - r.num_prompt_tokens] for r in held])
             stalls = self.core.scheduler.num_kv_stalls
             self.meter.count("kv_stalls", stalls - self.kv_stalls_counted)
             self.kv_stalls_counted = stalls

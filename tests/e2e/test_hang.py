@@ -44,6 +44,10 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
     assert "and no step for" in hang["verdict"] and f"(--hang-timeout {HANG_TIMEOUT})" in hang["verdict"]
     noticed_s = datetime.fromisoformat(hang["at"].replace("Z", "+00:00")).timestamp() - stopped_at
     assert HANG_TIMEOUT <= noticed_s <= HANG_TIMEOUT + 4, noticed_s  # (reports every 2 s, checked every second)
+    held = hang["requests"]  # as the core last reported them (every 2 s) before it hung: ids and tokens so far
+    assert 1 <= len(held) <= len(PROMPTS) and all(r["id"].startswith("cmpl-") and 0 <= r["tokens"] < N
+                                                  for r in held), held
+    assert {r["fate"] for r in held} == {"kept by engine-core dp0, recomputed on the new worker group"}
     stack = hang["stacks"]["worker dp0 pp0 tp0"]
     assert f"Process {worker}:" in stack and "worker" in stack, stack  # where the stopped worker stood
     assert hang["stacks_s"] < 3.0

@@ -81,7 +81,7 @@ def test_a_segfault_is_one_incident_a_crash_with_its_native_stack(home):
     shown = vsup("incidents", "show", incident["id"], "--name", "inc-segv")
     assert shown.returncode == 0 and "crashed: segmentation fault (SIGSEGV)" in shown.stdout, shown.stderr
     listed = vsup("incidents", "--name", "inc-segv").stdout.splitlines()
-    assert listed[0].split() == ["ID", "WHEN", "(UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "VERDICT"]
+    assert listed[0].split() == ["ID", "WHEN", "(UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "LOST", "VERDICT"]
     assert "worker-group dp0" in listed[1] and "crash" in listed[1]
     # docs/operating.md shows this list as it is (its time and restart masked)
     doc = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
@@ -186,3 +186,26 @@ def test_on_cuda_the_flight_recorder_is_on_and_its_dumps_are_listed(home, tmp_pa
     assert incident["nccl_dumps"] == [{"name": "trace_rank_0", "bytes": size, "path": prefix + "0"}]
     shown = vsup("incidents", "show", "1", "--name", "inc-nccl").stdout
     assert f"NCCL flight recorder dump: {prefix}0 ({size} bytes" in shown, shown
+
+
+def test_deaths_together_are_one_incident_whose_first_is_the_cause(home):
+    """-dp 2: both ranks' workers killed at once (as when a node's memory runs out): the first death the
+    supervisor observed is the incident's cause, the other a line inside it, not an incident of its own."""
+    proc = subprocess.Popen([sys.executable, str(TREE), "inc-two", "1", "2", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pids = {p["name"]: p["pid"] for p in serving("inc-two")["processes"]}
+        os.kill(pids["worker dp0 pp0 tp0"], signal.SIGKILL)
+        os.kill(pids["worker dp1 pp0 tp0"], signal.SIGKILL)
+        healed("inc-two", pids["worker dp1 pp0 tp0"])
+        wait_for(lambda: all(p["state"] == "ready" and p["pid"] not in pids.values()
+                             for p in ps("inc-two")["processes"] if p["role"] == "worker"), timeout=30,
+                 what="both groups back")
+    finally:
+        assert stop(proc)[0] == 0
+    (incident,) = incidents("inc-two")
+    first = incident["unit"]
+    other = "worker-group dp1" if first == "worker-group dp0" else "worker-group dp0"
+    assert incident["consequences"][0] == f"{other} went down too (worker {other[-3:]} pp0 tp0 signal 9 (SIGKILL))", \
+        incident
+    assert incident["restart_s"] is not None

@@ -16,10 +16,12 @@ def _restart(incident: dict) -> str:
 
 def render_list(incidents: list[dict]) -> str:
     """One line each, newest first."""
-    rows = [("ID", "WHEN (UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "VERDICT")]
+    rows = [("ID", "WHEN (UTC)", "UNIT", "PROCESS", "CAUSE", "RESTART", "LOST", "VERDICT")]
     for i in incidents:
         death = i.get("death") or {}
-        rows.append((i["id"], _when(i["at"]), i["unit"], death.get("process") or "-", i["cause"], _restart(i),
+        held = i.get("requests") or []
+        lost = f"0 of {len(held)}" if held else "-"  # (what vsup knows it held, it kept or sent again)
+        rows.append((i["id"], _when(i["at"]), i["unit"], death.get("process") or "-", i["cause"], _restart(i), lost,
                      i["verdict"] + (f" (+{len(i['consequences'])} after)" if i.get("consequences") else "")))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(f"{str(v):<{w}}" for v, w in zip(r, widths)) + "  " + str(r[-1]) for r in rows)
@@ -53,6 +55,13 @@ def render_one(i: dict) -> str:
         lines.append("  killed   " + ", ".join(f"{s['process']} (pid {s['pid']})" for s in i["survivors"])
                      + " (still running: vsup ended them, after their stacks below)")
     lines.append(f"  restart  {_restart(i)}" + (f": {i['gave_up']}" if i.get("gave_up") else ""))
+    held = i.get("requests") or []
+    if held:
+        fates = sorted({r["fate"] for r in held})
+        lines.append(f"  requests {len(held)} in flight ({sum(r['tokens'] for r in held)} tokens generated): "
+                     + "; ".join(fates))
+        lines += [f"    {r['id']}: {r['tokens']} tokens" for r in held[:10]] + \
+            ([f"    ... {len(held) - 10} more (--json lists all)"] if len(held) > 10 else [])
     for process, said in (i.get("last_lines") or {}).items():
         if said:
             lines.append(f"last lines of {process}:")

@@ -78,9 +78,21 @@ class EngineUnits:
         culprit = next((c for c in members if c.spec.name == self.sup.lives[unit].culprit), None)
         death = None if culprit is None else (culprit.spec.name, culprit.pid, culprit.last_exit, culprit.sent,
                                               culprit.peak_rss)
-        return {"role": (culprit or members[0]).spec.role, "death": death,
+        return {"role": (culprit or members[0]).spec.role, "death": death, "requests": self.held(unit),
                 "members": [{"process": c.spec.name, "pid": c.pid, "alive": c.alive} for c in members],
                 "since": min((c.started_at for c in members if c.started_at), default=0.0)}
+
+    def held(self, unit: UnitId) -> list[dict]:
+        """The requests the rank of `unit` held as its engine core last reported them (id, tokens generated),
+        and what becomes of each: a worker group's are kept by the core and recomputed on the next group, a
+        core's are sent again by the API servers with the tokens already streamed."""
+        if unit.kind not in (UnitKind.WORKER_GROUP, UnitKind.ENGINE_CORE):
+            return []
+        core = process_name(ENGINE_CORE, dp=unit.dp)
+        fate = (f"kept by {core}, recomputed on the new worker group" if unit.kind == UnitKind.WORKER_GROUP else
+                "sent again by the API servers to a core, with the tokens already streamed")
+        return [{"id": rid, "tokens": tokens, "fate": fate} for rid, tokens in
+                (self.loads.get(core) or {}).get("requests") or []]
 
     def live_pids(self) -> list[int]:
         return [c.pid for c in self.children if c.alive]

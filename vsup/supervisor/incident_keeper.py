@@ -87,10 +87,11 @@ class IncidentKeeper:
         self.memory.sample(pids, time.monotonic())
 
     def record(self, unit: str, role: str | None, why: str, death: tuple | None, members: list[dict],
-               since: float = 0.0) -> None:
+               since: float = 0.0, requests: list[dict] = ()) -> None:
         """Unit `unit` went down (`why`); `death`: (process, pid, exit, the signal vsup sent it or None, its peak
         RSS from wait4 or None) of the first of its processes to go, None for a hang or failing health;
-        `members`: its processes (name, pid, alive); `since`: when the unit last started (wall clock)."""
+        `members`: its processes (name, pid, alive); `since`: when the unit last started (wall clock);
+        `requests`: those it held (id, tokens, what became of each), as the adapter knows them."""
         now = time.monotonic()
         mine = self.open.get(unit)
         if mine is not None and mine.unit == unit and mine.restart_s is None:
@@ -116,7 +117,7 @@ class IncidentKeeper:
         pids = {m["process"]: m["pid"] for m in members}
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
-        incident.pids, incident.since = pids, since
+        incident.pids, incident.since, incident.requests = pids, since, list(requests)
         # where each one still running stands, before vsup kills it: the survivors of a death, or every
         # process of a hung (or unhealthy) unit
         incident.stacks, incident.stacks_s = stacks.take({s["process"]: s["pid"] for s in survivors})

@@ -151,6 +151,7 @@ class Incident:
     stacks: dict = field(default_factory=dict)  # process -> its Python stacks (py-spy), of those still running
     stacks_s: float | None = None  # what taking them cost
     nccl_dumps: list = field(default_factory=list)  # NCCL's flight recorder dumps since the unit started
+    requests: list = field(default_factory=list)  # in flight then: id, tokens generated, what became of it
 
     def lines_came(self, last_lines: dict[str, list[str]]) -> None:
         """Each process's last lines as read now (a dead process's last words can still be in its pipe when
@@ -173,7 +174,7 @@ class Incident:
         return {"id": self.id, "at": self.at, "unit": self.unit, "role": self.role, "cause": self.cause,
                 "verdict": self.verdict, "why": self.why, "death": death, "survivors": self.survivors,
                 "last_lines": self.last_lines, "stacks": self.stacks, "stacks_s": self.stacks_s,
-                "nccl_dumps": self.nccl_dumps,
+                "nccl_dumps": self.nccl_dumps, "requests": self.requests,
                 "consequences": self.consequences, "restart_s": self.restart_s, "gave_up": self.gave_up}
 
 

@@ -145,7 +145,7 @@ class Supervisor:
         elif isinstance(action, lc.Record):
             evidence = self.adapter.evidence(unit)
             self.incidents.record(str(unit), evidence["role"], self.lives[unit].why or "", evidence["death"],
-                                  evidence["members"], evidence.get("since", 0.0))
+                                  evidence["members"], evidence.get("since", 0.0), evidence.get("requests", []))
         elif isinstance(action, lc.GiveUp):
             self.gave_up(unit, action.reason)
         elif isinstance(action, lc.Log):
