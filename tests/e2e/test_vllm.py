@@ -129,6 +129,11 @@ def test_kill_9_of_worker_and_api_server_loses_no_request(vllm_deployment):
     assert [(i["death"]["process"], i["cause"], i["verdict"]) for i in found] == [
         ("api-server a0", "killed", outside), ("worker dp0 pp0 tp0", "killed", outside)], found
     assert all(i["restart_s"] for i in found) and found[0]["death"]["pid"] == before["api-server a0"]
+    for incident in found:  # what became of the 16 streams the tree held: the front resumed each on the next
+        assert len(incident["requests"]) == 16 and {r["fate"] for r in incident["requests"]} == \
+            {"resumed by the front on the next tree"}, incident["requests"]
+    listed = vllm_deployment.vsup("incidents").stdout.splitlines()
+    assert "0 of 16" in listed[1] and "0 of 16" in listed[2], listed
 
 
 def poison(client, i, n, seen):

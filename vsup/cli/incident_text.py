@@ -20,7 +20,7 @@ def render_list(incidents: list[dict]) -> str:
     for i in incidents:
         death = i.get("death") or {}
         held = i.get("requests") or []
-        lost = f"0 of {len(held)}" if held else "-"  # (what vsup knows it held, it kept or sent again)
+        lost = f"{sum(r['fate'].startswith('failed') for r in held)} of {len(held)}" if held else "-"
         rows.append((i["id"], _when(i["at"]), i["unit"], death.get("process") or "-", i["cause"], _restart(i), lost,
                      i["verdict"] + (f" (+{len(i['consequences'])} after)" if i.get("consequences") else "")))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]) - 1)]

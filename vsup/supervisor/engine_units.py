@@ -94,6 +94,9 @@ class EngineUnits:
         return [{"id": rid, "tokens": tokens, "fate": fate} for rid, tokens in
                 (self.loads.get(core) or {}).get("requests") or []]
 
+    def requests_after(self, unit: UnitId, since: float, until: float) -> list[dict]:
+        return []  # (what a rank held is known when it goes down: held())
+
     def live_pids(self) -> list[int]:
         return [c.pid for c in self.children if c.alive]
 

@@ -26,6 +26,7 @@ from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
 OOM_SCORE_ADJ = -500
 OOM_RAISE = 100
+RESUMED_S = 3.0  # how long after a unit is up again its resumed requests are counted in
 
 
 class MemoryWatch:
@@ -72,7 +73,7 @@ class MemoryWatch:
 class IncidentKeeper:
     def __init__(self, run_dir: Path, tail, log, later, roles=()):
         """`tail(name)`: a process's last lines, each (monotonic time, pid, `LEVEL text`), the log router's;
-        `log`: the supervisor's; `later(fn)`: run fn on the loop a second on; `roles`: the plan's, each
+        `log`: the supervisor's; `later(seconds, fn)`: run fn on the loop that much later; `roles`: the plan's, each
         counted from 0 for every cause (a counter that is born at 1 shows no increase)."""
         self.run_dir, self.tail, self.log, self.later = Path(run_dir), tail, log, later
         self.open: dict[str, Incident] = {}  # unit -> the incident it is down in (its own, or one it followed)
@@ -80,6 +81,7 @@ class IncidentKeeper:
         # "role/cause" -> incidents since this supervisor started (metrics)
         self.counts: dict[str, int] = {f"{role}/{cause}": 0 for role in roles for cause in CAUSES}
         self.last: dict[str, dict] = {}  # unit -> its last incident, in short (ps), from earlier runs' on
+        self.latest: dict[str, Incident] = {}  # unit -> its last incident of this run
         for kept in reversed(incident_store.load_all(self.run_dir)):
             self.last[kept["unit"]] = _short(kept)
 
@@ -87,13 +89,16 @@ class IncidentKeeper:
         self.memory.sample(pids, time.monotonic())
 
     def record(self, unit: str, role: str | None, why: str, death: tuple | None, members: list[dict],
-               since: float = 0.0, requests: list[dict] = ()) -> None:
+               since: float = 0.0, requests: list[dict] = (), died_at: float | None = None) -> None:
         """Unit `unit` went down (`why`); `death`: (process, pid, exit, the signal vsup sent it or None, its peak
         RSS from wait4 or None) of the first of its processes to go, None for a hang or failing health;
         `members`: its processes (name, pid, alive); `since`: when the unit last started (wall clock);
-        `requests`: those it held (id, tokens, what became of each), as the adapter knows them."""
+        `requests`: those it held (id, tokens, what became of each), as the adapter knows them; `died_at`: when
+        its first death was seen (monotonic), where that was before now."""
         now = time.monotonic()
         mine = self.open.get(unit)
+        if unit in self.latest:  # (the requests resumed from here on are this death's, not the last one's)
+            self.latest[unit].next_s = min(died_at or now, now)
         if mine is not None and mine.unit == unit and mine.restart_s is None:
             mine.consequences.append(f"its restart failed: {why}")  # (a new incident below)
             self._write(mine)
@@ -118,22 +123,32 @@ class IncidentKeeper:
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
         incident.pids, incident.since, incident.requests = pids, since, list(requests)
+        incident.died_s = min(died_at or now, now)
         # where each one still running stands, before vsup kills it: the survivors of a death, or every
         # process of a hung (or unhealthy) unit
         incident.stacks, incident.stacks_s = stacks.take({s["process"]: s["pid"] for s in survivors})
-        self.open[unit] = incident
+        self.open[unit] = self.latest[unit] = incident
         self._write(incident)
         key = f"{role or 'unknown'}/{incident.cause}"
         self.counts[key] = self.counts.get(key, 0) + 1
-        self.later(lambda: self._refresh(incident))
+        self.later(1.0, lambda: self._refresh(incident))
         self.log("incident", "warning", id=incident.id, unit=unit, cause=incident.cause, verdict=incident.verdict)
 
-    def up(self, unit: str, followers: list[str]) -> None:
-        """Unit `unit` serves again: its own incident closes, with how long the restart took and the errors
-        that its other processes of then (of `followers`) logged after the death: its consequences."""
+    def up(self, unit: str, followers: list[str], requests_after=lambda since, until: []) -> None:
+        """Unit `unit` serves again: its own incident closes, with how long the restart took, the errors that
+        its other processes of then (of `followers`) logged after the death (its consequences), and the
+        requests that `requests_after(since, until)` says were resumed or failed from its death on (until
+        the unit's next incident), read again RESUMED_S on (the front resumes once the tree is up)."""
         incident = self.open.pop(unit, None)
         if incident is None or incident.unit != unit:
             return
+        known = list(incident.requests)  # (what the adapter knew at the death)
+
+        def resumed():
+            incident.requests = known + requests_after(incident.died_s, incident.next_s or float("inf"))
+            self._write(incident)
+        resumed()
+        self.later(RESUMED_S, resumed)
         incident.restart_s = round(time.monotonic() - incident.opened_s, 1)
         incident.lines_came(self._last_lines(incident.pids))
         incident.nccl_dumps = flight_recorder.dumps(self.run_dir, incident.since)

@@ -148,6 +148,8 @@ class Incident:
     gave_up: str | None = None  # vsup's reason, when this was the unit's last
     pids: dict = field(default_factory=dict)  # process -> its pid then (not written)
     since: float = 0.0  # when the unit last started, wall clock (not written)
+    next_s: float | None = None  # when its unit's next death was seen, monotonic (not written)
+    died_s: float = 0.0  # when its first death was seen, monotonic (not written)
     stacks: dict = field(default_factory=dict)  # process -> its Python stacks (py-spy), of those still running
     stacks_s: float | None = None  # what taking them cost
     nccl_dumps: list = field(default_factory=list)  # NCCL's flight recorder dumps since the unit started

@@ -89,7 +89,7 @@ class Supervisor:
         self.lives: dict[UnitId, Life] = {id: Life(str(id), limits) for id, limits in self.adapter.units().items()}
         self.control = ControlServer(str(run_dir.control_socket), self, self.loop)
         self.incidents = IncidentKeeper(run_dir.path, router.tail, self.log,
-                                        lambda fn: self.loop.at(time.monotonic() + 1.0, fn), self.adapter.plan.roles)
+                                        lambda s, fn: self.loop.at(time.monotonic() + s, fn), self.adapter.plan.roles)
         self.head_answered: float | None = None
         self.head_watch = HeadWatch(options.head, self.loop.post, options.group_secret) if options.head else None
         self.probes = None
@@ -141,11 +141,13 @@ class Supervisor:
         elif isinstance(action, lc.Notify):
             self.adapter.notify(unit, action.note)
             if action.note == lc.Note.UP:
-                self.incidents.up(str(unit), [m["process"] for m in self.adapter.evidence(unit)["members"]])
+                self.incidents.up(str(unit), [m["process"] for m in self.adapter.evidence(unit)["members"]],
+                                  lambda since, until: self.adapter.requests_after(unit, since, until))
         elif isinstance(action, lc.Record):
             evidence = self.adapter.evidence(unit)
             self.incidents.record(str(unit), evidence["role"], self.lives[unit].why or "", evidence["death"],
-                                  evidence["members"], evidence.get("since", 0.0), evidence.get("requests", []))
+                                  evidence["members"], evidence.get("since", 0.0), evidence.get("requests", []),
+                                  evidence.get("died_at"))
         elif isinstance(action, lc.GiveUp):
             self.gave_up(unit, action.reason)
         elif isinstance(action, lc.Log):

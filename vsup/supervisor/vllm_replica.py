@@ -65,6 +65,7 @@ class Tree:
     deferred: list = field(default_factory=list)  # the pids that ended meanwhile
     blame: tuple | None = None  # (name, role) of what took it down last
     cause: object = None  # the process (Observed or the root) whose end took it down last
+    died_at: float | None = None  # when its first death was seen (monotonic): the front acts on it at once
     shm_noted: set = field(default_factory=set)
     by_role: dict = field(default_factory=dict)  # its restarts, by the role whose process died
 

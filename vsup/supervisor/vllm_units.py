@@ -64,6 +64,9 @@ from vsup.vllm.plan import tree_roots
 from vsup.vllm.progress import Progress, parse_metrics
 
 PR_SET_CHILD_SUBREAPER = 36
+FRONT_FATES = {"resuming a request on a new tree": "resumed by the front on the next tree",  # its lines, its fates
+               "gave up on a request that the engine died under every time": "failed: the engine died under it "
+                                                                              "every time (--max-resumes)"}
 ATTRIBUTION_DELAY_S = 0.3
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm", "hook")
 
@@ -114,6 +117,8 @@ class VllmUnits:
             [sys.executable, "-m", "vsup.supervisor.janitor", str(sup.run_dir.path), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
         self.probe_stop = threading.Event()
+        self.front_said: deque[tuple[float, dict]] = deque(maxlen=4096)  # what the front did with requests, when
+        sup.router.sinks.append(self._front_requests)
 
     def units(self) -> dict[UnitId, Limits]:
         o = self.sup.options
@@ -179,6 +184,8 @@ class VllmUnits:
             self.introduce(item[1])
         elif item[0] == "group":
             self.heard_from_node(item[1])
+        elif item[0] == "front-request":
+            self.front_said.append((time.monotonic(), item[1]))
         elif item[0] == "probe":
             self.on_probe(*item[1:])
         elif item[0] == "prefix":  # (a line's vLLM prefix named a process before its title did)
@@ -257,7 +264,7 @@ class VllmUnits:
         self.sup.loop.watch(root.pidfd, lambda: self.exited(tree, root))
         tree.started_at, tree.gen = time.monotonic(), next(self.gens)
         tree.progress, tree.procs, tree.first_death, tree.deferred, tree.blame = None, {}, None, [], None
-        tree.cause = None
+        tree.cause, tree.died_at = None, None
         self.sup.log("started", process=root.spec.name, pid=root.pid, argv=" ".join(root.spec.argv))
         if self.headless:
             self.part = Part.starting(self.last_head)
@@ -329,7 +336,21 @@ class VllmUnits:
         procs = [tree.root, *tree.procs.values()]
         return {"role": (tree.blame or (None, tree.root.spec.role))[1], "death": death,
                 "members": [{"process": tree.name_of(p), "pid": p.pid, "alive": p.alive} for p in procs],
-                "since": tree.root.started_at or 0.0}
+                "since": tree.root.started_at or 0.0, "died_at": tree.died_at}
+
+    def _front_requests(self, records: list[dict]) -> None:
+        """On the router's thread: the front's lines on what it did with a request a tree died under."""
+        for record in records:
+            if record.get("name") == FRONT and record.get("event") in FRONT_FATES:
+                self.sup.loop.post(("front-request", record))
+
+    def requests_after(self, unit: UnitId, since: float, until: float) -> list[dict]:
+        """The requests the front resumed on the next tree, or gave up on, between `since` and `until`: id,
+        tokens already streamed, what became of it."""
+        if unit == self.front_id:
+            return []
+        return [{"id": r.get("request"), "tokens": r.get("tokens", 0), "fate": FRONT_FATES[r["event"]]}
+                for t, r in self.front_said if since <= t < until]
 
     def live_pids(self) -> list[int]:
         pids = [self.front.pid] if self.front is not None and self.front.alive else []
@@ -479,7 +500,7 @@ class VllmUnits:
         if tree.first_death is None:
             # the processes that follow it out (PR_SET_PDEATHSIG) die within milliseconds, but a killed
             # parent can still be tearing its threads down when its child's exit is seen: look a moment later
-            tree.first_death = proc
+            tree.first_death, tree.died_at = proc, time.monotonic()
             self.tell_front()
             self.sup.loop.at(time.monotonic() + ATTRIBUTION_DELAY_S, lambda: self.attribute(tree))
 
