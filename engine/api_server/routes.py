@@ -110,10 +110,24 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 async def health(request: Request):
     """200 while at least one DP rank is up, else 503; the body says which ranks are up, down, failed."""
     client, state = serving_of(request).client, request.app.state
-    for dp_rank, why in supervisor_state.failed_ranks(supervisor_state.read(state.state_file)).items():
+    supervisor = supervisor_state.read(state.state_file)
+    for dp_rank, why in supervisor_state.failed_ranks(supervisor).items():
         client.ranks.on_failed(dp_rank, why)
-    body = {**client.health(), "api_server_rank": state.api_server_rank}
+    body = hung(client.health(), supervisor_state.hung_ranks(supervisor))
+    body["api_server_rank"] = state.api_server_rank
     return JSONResponse(body, status_code=200 if body["up"] else 503)
+
+
+def hung(body: dict, ranks: dict[int, str]) -> dict:
+    """/health's body with the ranks that vsup restarts after a hang counted down (the engine core still
+    takes requests meanwhile, and keeps them, but a load balancer should send them elsewhere)."""
+    ranks = {r: why for r, why in ranks.items() if r in body["up"]}
+    if not ranks:
+        return body
+    up = [r for r in body["up"] if r not in ranks]
+    down = sorted([*body["down"], *ranks])
+    said = [m for m in (body.get("message") or "").split(", ") if m] + [f"dp{r} hung" for r in sorted(ranks)]
+    return {**body, "up": up, "down": down, "status": "degraded" if up else "unavailable", "message": ", ".join(said)}
 
 
 @operations.get("/metrics")

@@ -38,6 +38,18 @@ def incidents(state: dict) -> dict[tuple[str, str], int]:
     return {tuple(key.split("/", 1)): int(n) for key, n in counts.items() if "/" in key}
 
 
+def hung_ranks(state: dict) -> dict[int, str]:
+    """{dp rank: why} for each rank that vsup is restarting because it hung (requests and no step for its
+    --hang-timeout): until it is back, /health says it is down, so that no load balancer keeps sending to it."""
+    hung = {}
+    for name, unit in (state.get("units") or {}).items():
+        match = _RANK_UNIT.fullmatch(name)
+        if match and (unit or {}).get("state") in ("backoff", "starting") and \
+                str((unit or {}).get("why") or "").startswith("hung"):
+            hung[int(match.group(1))] = unit["why"]
+    return hung
+
+
 def failed_ranks(state: dict) -> dict[int, str]:
     """{dp rank: why} for each rank whose engine core or worker group vsup marked failed (past
     --max-restarts): it will not come back, where a rank that is down will."""

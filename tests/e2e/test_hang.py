@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from datetime import datetime
+
+import httpx
 
 from tests.e2e.served import Streams, complete_all
 from tests.polling import wait_for
@@ -27,8 +30,20 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
     worker = s.pids()["worker dp0 pp0 tp0"]
     streams = Streams(s.client, PROMPTS, n=N)
     wait_for(lambda: streams.all_streaming(), timeout=60, what="every stream streaming")
+    healths = []
+
+    def watch_health():  # what a load balancer sees, every 0.1 s, until the group serves again
+        while not streams.finished[0] or len(healths) < 5:
+            try:
+                reply = httpx.get(f"{s.url}/health", timeout=5)
+                healths.append((reply.status_code, reply.json().get("message")))
+            except httpx.HTTPError as e:
+                healths.append((0, repr(e)))
+            time.sleep(0.1)
+    watcher = threading.Thread(target=watch_health, daemon=True)
     stopped_at = time.time()
     os.kill(worker, signal.SIGSTOP)
+    watcher.start()
     try:
         assert streams.running(), "the streams ended before the fault"
         found = wait_for(lambda: json.loads(s.vsup("incidents", "--json").stdout or "[]"), timeout=HANG_TIMEOUT + 30,
@@ -39,6 +54,8 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
         except ProcessLookupError:
             pass
     assert streams.texts(timeout=120) == reference  # the core kept them: none failed, none changed
+    watcher.join(timeout=30)
+    assert (503, "dp0 hung") in healths and healths[-1] == (200, None), healths  # unready while it restarted
     hang = found[0]
     assert len(found) == 1 and (hang["unit"], hang["cause"]) == ("worker-group dp0", "hang"), found
     assert "and no step for" in hang["verdict"] and f"(--hang-timeout {HANG_TIMEOUT})" in hang["verdict"]

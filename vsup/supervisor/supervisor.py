@@ -318,7 +318,7 @@ class Supervisor:
                                "model": self.options.model, "url": self.options.url, "state": self.state,
                                "started_at": self.started_at, "message": self.message,
                                "formula": self.adapter.formula()},
-                "units": {str(u): {"state": life.phase, "restarts": life.restarts.total,
+                "units": {str(u): {"state": life.phase, "restarts": life.restarts.total, "why": life.why,
                                    **self.adapter.unit_extra(u)} for u, life in self.lives.items()},
                 "processes": self.adapter.rows(),
                 "incidents": {"last": self.incidents.last, "counts": self.incidents.counts},
