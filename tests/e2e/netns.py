@@ -191,3 +191,24 @@ class Lan:
     @staticmethod
     def _root_links() -> set[str]:
         return {line.split()[0].split("@")[0] for line in ip("-br", "link").splitlines() if line.strip()}
+
+
+def lan_for_a_test(num_nodes: int = 2, tag: str | None = None):
+    """A fixture's body: the LAN built (a test fails, saying why, where namespaces cannot be made), yielded,
+    then closed, failing on any process left in a node or anything left behind."""
+    import pytest
+
+    lan = Lan(num_nodes, tag=tag)
+    try:
+        lan.build()
+    except NetnsError as e:
+        reason = str(e)
+        try:
+            lan.close()
+        except NetnsError as again:
+            reason += f"; cleaning up: {again}"
+        pytest.fail(f"nodes as network namespaces need root and iproute2, and making them failed: {reason}")
+    yield lan
+    left = lan.close()
+    assert not left, f"processes still ran in the nodes' namespaces: {left}"
+    assert not lan.leftovers(), f"left behind: {lan.leftovers()}"

@@ -59,13 +59,7 @@ class Served:
         """ps once every process of this node is ready (a head node also lists other nodes' as remote), from
         a live supervisor: a new one of the same name starts where its killed predecessor's state.json
         still says "serving", with that one's pids."""
-        def serving():
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            state = self.ps()
-            ready = state and state["supervisor"]["live"] and state["supervisor"]["state"] == "serving" and all(
-                p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote"))
-            return state if ready else None
-        return wait_for(serving, timeout, "serving with every process ready", interval=0.2, now=self.ps)
+        return wait_every_process_ready(self.proc, self.ps, timeout, "serving with every process ready")
 
     def last_log_lines(self, n=60) -> str:
         """The last `n` lines of `vsup logs`, each with its time (to read a failure's timeline)."""
@@ -115,6 +109,18 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
+
+
+def wait_every_process_ready(proc, ps, timeout: float, what: str) -> dict:
+    """ps (`ps()`) once the supervisor `proc` serves and every process of this node is ready (other nodes'
+    are listed as remote), from a live supervisor."""
+    def serving():
+        assert proc.poll() is None, proc.stderr.read()
+        state = ps()
+        ready = state and state["supervisor"]["live"] and state["supervisor"]["state"] == "serving" and all(
+            p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote"))
+        return state if ready else None
+    return wait_for(serving, timeout, what, interval=0.2, now=ps)
 
 
 def kill_until_it_gives_up(s: Served, name: str, timeout: float) -> tuple[int, str, str, list[int]]:

@@ -72,6 +72,9 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
     assert {p["name"]: p["restarts"] for p in state["processes"]}["worker dp0 pp0 tp0"] == 1
     closed = json.loads(s.vsup("incidents", "--json").stdout)[0]
     assert closed["id"] == hang["id"] and 0 < closed["restart_s"] < 60
+    # what followed, from the processes that ran at the hang: the core's loss of its group, inside this incident
+    assert any(line.startswith("engine-core dp0: warning worker group lost") for line in closed["consequences"]), \
+        closed["consequences"]
     print(f"hang to evidence {noticed_s:.1f} s, py-spy {hang['stacks_s']} s, then serving again in "
           f"{closed['restart_s']} s\n" + s.vsup("incidents").stdout + s.vsup("incidents", "show", hang["id"]).stdout)
     assert s.stop()[0] == 0

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.netns import Lan, NetnsError
+from tests.e2e.netns import lan_for_a_test
 from tests.e2e.pods import Group, manifests
 from tests.e2e.served import Streams
 from tests.polling import wait_for
@@ -35,16 +35,7 @@ def rings_left(name: str) -> list[str]:
 
 @pytest.fixture
 def lan():
-    lan = Lan(2, tag=f"k{os.getpid()}")
-    try:
-        lan.build()
-    except NetnsError as e:
-        lan.close()
-        pytest.fail(f"the pod simulation needs network namespaces (root, iproute2): {e}")
-    yield lan
-    left = lan.close()
-    assert not left, f"processes still ran in the pods' namespaces: {left}"
-    assert not lan.leftovers()
+    yield from lan_for_a_test(2, tag=f"k{os.getpid()}")
 
 
 def ps(group: Group, pod: int) -> dict:

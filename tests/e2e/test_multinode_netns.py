@@ -23,7 +23,7 @@ import subprocess
 import httpx
 import pytest
 
-from tests.e2e.netns import Lan, NetnsError
+from tests.e2e.netns import lan_for_a_test
 from tests.e2e.served import Served, Streams, complete_all
 from tests.polling import wait_for
 
@@ -39,21 +39,7 @@ HEAD, NODE, TP0, TP1 = (f"ns{os.getpid()}-{role}" for role in ("head", "node1", 
 @pytest.fixture(scope="module")
 def lan():
     """The head's namespace (node 0) and one other node's (node 1) on one bridge; gone afterwards."""
-    lan = Lan(2)
-    try:
-        lan.build()
-    except NetnsError as e:
-        reason = str(e)
-        try:
-            lan.close()
-        except NetnsError as again:
-            reason += f"; cleaning up: {again}"
-        pytest.fail(f"the multi-node tests need network namespaces (root, iproute2), and making them failed: "
-                    f"{reason}")
-    yield lan
-    left = lan.close()
-    assert not left, f"processes still ran in the nodes' namespaces: {left}"
-    assert not lan.leftovers(), f"left behind: {lan.leftovers()}"
+    yield from lan_for_a_test(2)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ import openai
 import pytest
 
 from tests.conftest import build_checkpoint
-from tests.e2e.netns import Lan, NetnsError
+from tests.e2e.netns import lan_for_a_test
 from tests.e2e.pods import Group, manifests
+from tests.e2e.served import wait_every_process_ready
 from tests.e2e.vllm_served import START_S, fault_free, in_flight, plan_names, running, tree_pids
 from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
@@ -41,16 +42,7 @@ HEAD_WORKER, NODE_WORKER = "worker dp0 pp0 tp0", "worker dp0 pp0 tp1"
 
 @pytest.fixture(scope="module")
 def lan():
-    lan = Lan(2, tag=f"vn{os.getpid() % 10000}")
-    try:
-        lan.build()
-    except NetnsError as e:
-        lan.close()
-        pytest.fail(f"the multi-node tests need network namespaces (root, iproute2), and making them failed: {e}")
-    yield lan
-    left = lan.close()
-    assert not left, f"processes still ran in the nodes' namespaces: {left}"
-    assert not lan.leftovers(), f"left behind: {lan.leftovers()}"
+    yield from lan_for_a_test(2, tag=f"vn{os.getpid() % 10000}")
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +78,7 @@ class Pod:
         return json.loads(result.stdout) if result.returncode == 0 else None
 
     def wait_serving(self, timeout):
-        def serving():
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            state = self.ps()
-            ready = state and state["supervisor"]["live"] and state["supervisor"]["state"] == "serving" and all(
-                p["state"] == "ready" for p in state["processes"] if not p["state"].startswith("remote"))
-            return state if ready else None
-        return wait_for(serving, timeout, f"pod {self.i} serving with every process ready", interval=0.2,
-                        now=self.ps)
+        return wait_every_process_ready(self.proc, self.ps, timeout, f"pod {self.i} serving with every process ready")
 
 
 @pytest.fixture(scope="module")

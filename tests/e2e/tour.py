@@ -31,6 +31,8 @@ MASKS = [  # (what changes from run to run, what stands for it)
     (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"),
     (re.compile(r"\b(port|seconds|rss_bytes|epoch|address)=\S+"), r"\1=*"),
     (re.compile(r"^kill -9 \d+$"), "kill -9 PID"),
+    (re.compile(r" at \d\d:\d\d:\d\d UTC"), " at T UTC"),  # (ps's last incident)
+    (re.compile(r"\bid=\d+"), "id=N"),
 ]
 
 
@@ -139,7 +141,8 @@ def run_tour(env: dict, tour: str, port: str) -> list[tuple[str, list[Example], 
                 results.append(result)
                 if command.startswith("vsup ps"):
                     pids.update(readme_pids(example.output, result.stdout))
-                    pids["last"] = int(re.split(r"\s{2,}", result.stdout.splitlines()[-1].strip())[1])
+                    rows = [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
+                    pids["last"] = int([row for row in rows if len(row) > 1 and row[1].isdigit()][-1][1])
                 if command.startswith("kill -9 "):
                     wait_for(lambda: healed(env), timeout=120, what="the killed process's unit back")
             done.append((kind, examples, results))

@@ -97,8 +97,9 @@ class EngineUnits:
     def requests_after(self, unit: UnitId, since: float, until: float) -> list[dict]:
         return []  # (what a rank held is known when it goes down: held())
 
-    def live_pids(self) -> list[int]:
-        return [c.pid for c in self.children if c.alive]
+    def live(self) -> dict[str, int]:
+        """Every running process of this node, by name."""
+        return {c.spec.name: c.pid for c in self.children if c.alive}
 
     def group_desk(self) -> None:
         return None  # (our engine's nodes meet in its own links: engine/cluster.py)

@@ -82,6 +82,7 @@ class IncidentKeeper:
         self.counts: dict[str, int] = {f"{role}/{cause}": 0 for role in roles for cause in CAUSES}
         self.last: dict[str, dict] = {}  # unit -> its last incident, in short (ps), from earlier runs' on
         self.latest: dict[str, Incident] = {}  # unit -> its last incident of this run
+        self.everyone: dict[str, int] = {}  # every running process, by name, as the supervisor last set it
         for kept in reversed(incident_store.load_all(self.run_dir)):
             self.last[kept["unit"]] = _short(kept)
 
@@ -123,6 +124,7 @@ class IncidentKeeper:
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
         incident.pids, incident.since, incident.requests = pids, since, list(requests)
+        incident.others = {**self.everyone, **pids}
         incident.died_s = min(died_at or now, now)
         # where each one still running stands, before vsup kills it: the survivors of a death, or every
         # process of a hung (or unhealthy) unit
@@ -134,9 +136,9 @@ class IncidentKeeper:
         self.later(1.0, lambda: self._refresh(incident))
         self.log("incident", "warning", id=incident.id, unit=unit, cause=incident.cause, verdict=incident.verdict)
 
-    def up(self, unit: str, followers: list[str], requests_after=lambda since, until: []) -> None:
-        """Unit `unit` serves again: its own incident closes, with how long the restart took, the errors that
-        its other processes of then (of `followers`) logged after the death (its consequences), and the
+    def up(self, unit: str, requests_after=lambda since, until: []) -> None:
+        """Unit `unit` serves again: its own incident closes, with how long the restart took, the warnings and
+        errors that the processes running at the death logged after it (its consequences), and the
         requests that `requests_after(since, until)` says were resumed or failed from its death on (until
         the unit's next incident), read again RESUMED_S on (the front resumes once the tree is up)."""
         incident = self.open.pop(unit, None)
@@ -153,8 +155,8 @@ class IncidentKeeper:
         incident.lines_came(self._last_lines(incident.pids))
         incident.nccl_dumps = flight_recorder.dumps(self.run_dir, incident.since)
         dead = incident.death.pid if incident.death else None
-        after = [(t, f"{name}: {text}") for name in followers for t, pid, text in self.tail(name)
-                 if t > incident.opened_s and pid == incident.pids.get(name) != dead and _error(text)]
+        after = [(t, f"{name}: {text}") for name, its_pid in incident.others.items() for t, pid, text in self.tail(name)
+                 if t >= incident.died_s and pid == its_pid != dead and _error(text)]
         incident.consequences += [line for _, line in sorted(after)][:MAX_LINES]
         for other, held in list(self.open.items()):
             if held is incident:
@@ -193,5 +195,5 @@ def _short(incident: dict) -> dict:
 
 
 def _error(line: str) -> bool:
-    return line.startswith(("error ", "critical "))
+    return line.startswith(("warning ", "error ", "critical "))
 

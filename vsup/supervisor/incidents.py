@@ -147,6 +147,7 @@ class Incident:
     restart_s: float | None = None
     gave_up: str | None = None  # vsup's reason, when this was the unit's last
     pids: dict = field(default_factory=dict)  # process -> its pid then (not written)
+    others: dict = field(default_factory=dict)  # every process running then -> its pid (not written)
     since: float = 0.0  # when the unit last started, wall clock (not written)
     next_s: float | None = None  # when its unit's next death was seen, monotonic (not written)
     died_s: float = 0.0  # when its first death was seen, monotonic (not written)

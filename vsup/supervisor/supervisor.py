@@ -10,8 +10,9 @@ An adapter says which units a plan has and what each one's limits are (`units`),
 and notifies a unit (`spawn`, `signal`, `kill`, `notify`), turns what it sees into events (`supervisor.post`
 from the loop's thread), says whether the deployment serves (`serving`), what `vsup restart` asks of
 which unit (`restarts`), in what order the stop goes (`stop_order`), and the processes of state.json
-(`rows`). Across nodes, it hears the head's answers on a headless node (`on_head`) and answers the other
-nodes on the head (`group_desk`: a stock vLLM's, group.py).
+(`rows`). For incidents it says what it saw of a unit that went down (`evidence`), what runs (`live`)
+and what became of the requests after (`requests_after`). Across nodes, it hears the head's answers on a
+headless node (`on_head`) and answers the other nodes on the head (`group_desk`: a stock vLLM's, group.py).
 """
 
 from __future__ import annotations
@@ -141,10 +142,10 @@ class Supervisor:
         elif isinstance(action, lc.Notify):
             self.adapter.notify(unit, action.note)
             if action.note == lc.Note.UP:
-                self.incidents.up(str(unit), [m["process"] for m in self.adapter.evidence(unit)["members"]],
-                                  lambda since, until: self.adapter.requests_after(unit, since, until))
+                self.incidents.up(str(unit), lambda since, until: self.adapter.requests_after(unit, since, until))
         elif isinstance(action, lc.Record):
             evidence = self.adapter.evidence(unit)
+            self.incidents.everyone = self.adapter.live()  # (whose errors after the death are its consequences)
             self.incidents.record(str(unit), evidence["role"], self.lives[unit].why or "", evidence["death"],
                                   evidence["members"], evidence.get("since", 0.0), evidence.get("requests", []),
                                   evidence.get("died_at"))
@@ -226,7 +227,7 @@ class Supervisor:
 
     def sample_memory(self) -> None:
         """Every second: the memory evidence of every live process (incident_keeper.py)."""
-        self.incidents.sample(self.adapter.live_pids())
+        self.incidents.sample(list(self.adapter.live().values()))
         self.loop.at(time.monotonic() + 1.0, self.sample_memory)
 
     def quiet_starts(self) -> None:

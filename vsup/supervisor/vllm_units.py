@@ -352,11 +352,12 @@ class VllmUnits:
         return [{"id": r.get("request"), "tokens": r.get("tokens", 0), "fate": FRONT_FATES[r["event"]]}
                 for t, r in self.front_said if since <= t < until]
 
-    def live_pids(self) -> list[int]:
-        pids = [self.front.pid] if self.front is not None and self.front.alive else []
+    def live(self) -> dict[str, int]:
+        """Every running process of this node, by name."""
+        found = {FRONT: self.front.pid} if self.front is not None and self.front.alive else {}
         for tree in self.trees:
-            pids += [p.pid for p in (tree.root, *tree.procs.values()) if p.alive]
-        return pids
+            found.update({tree.name_of(p): p.pid for p in (tree.root, *tree.procs.values()) if p.alive})
+        return found
 
     def group_desk(self):
         """What answers the other nodes' reports on the head's --probe-port (on the probes' thread)."""
