@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.cpu-kernels
 # two pytest-xdist workers, each module whole on one, the longest first (tests/conftest.py)
 PYTEST_ARGS ?= --durations=15 -n 2
 
-.PHONY: install serve test vllm bench bench-quick bench-smoke gpu-wheels clean
+.PHONY: install serve test vllm llama-cpp bench bench-quick bench-smoke gpu-wheels clean
 
 install: $(STAMP) $(KERNELS)
 	# pip byte-compiles what it installs, but not this editable checkout: where __pycache__ is never
@@ -58,6 +58,15 @@ bench-quick: install
 bench-smoke: install
 	for b in $(BENCHES); do $(BIN)/python bench/$$b.py --smoke || exit 1; done
 	$(BIN)/python bench/report.py
+
+# llama.cpp's llama-server built from source, with convert_hf_to_gguf.py, for bench/'s side by side
+# (tools/build_llama_cpp.py names its flags; about 4.5 min on 2 cores). `make test` and .ci/run never build it.
+LLAMA_CPP := .llama-cpp
+
+llama-cpp: $(LLAMA_CPP)/bin/llama-server
+
+$(LLAMA_CPP)/bin/llama-server: tools/build_llama_cpp.py $(STAMP)
+	$(BIN)/python tools/build_llama_cpp.py $(LLAMA_CPP)
 
 # vLLM's CPU build in a venv of its own (never .venv): `--engine vllm`, the tests of tests/e2e/test_vllm*.py
 # and the benches use it. torch first and pinned, as for .venv; its torchvision/torchaudio/torchcodec are CUDA
