@@ -60,7 +60,9 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
     assert len(found) == 1 and (hang["unit"], hang["cause"]) == ("worker-group dp0", "hang"), found
     assert "and no step for" in hang["verdict"] and f"(--hang-timeout {HANG_TIMEOUT})" in hang["verdict"]
     noticed_s = datetime.fromisoformat(hang["at"].replace("Z", "+00:00")).timestamp() - stopped_at
-    assert HANG_TIMEOUT <= noticed_s <= HANG_TIMEOUT + 4, noticed_s  # (reports every 2 s, checked every second)
+    # the core reports every 2 s (its last steps may have come just before the stop) and vsup looks every
+    # second: --hang-timeout from the last progress it saw, within a few seconds of the stop
+    assert HANG_TIMEOUT - 2 <= noticed_s <= HANG_TIMEOUT + 6, noticed_s
     held = hang["requests"]  # as the core last reported them (every 2 s) before it hung: ids and tokens so far
     assert 1 <= len(held) <= len(PROMPTS) and all(r["id"].startswith("cmpl-") and 0 <= r["tokens"] < N
                                                   for r in held), held
