@@ -41,11 +41,12 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
                 healths.append((0, repr(e)))
             time.sleep(0.1)
     watcher = threading.Thread(target=watch_health, daemon=True)
+    in_flight = streams.running()  # (read just before the stop: the fault hits these)
     stopped_at = time.time()
     os.kill(worker, signal.SIGSTOP)
     watcher.start()
     try:
-        assert streams.running(), "the streams ended before the fault"
+        assert in_flight, "the streams ended before the fault"
         found = wait_for(lambda: json.loads(s.vsup("incidents", "--json").stdout or "[]"), timeout=HANG_TIMEOUT + 30,
                          what="the hang's incident")
     finally:

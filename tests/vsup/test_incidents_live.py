@@ -29,9 +29,20 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def start(name, prefix=(), tp=1):
-    return subprocess.Popen([*prefix, sys.executable, str(TREE), name, str(tp), "1", "5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start(name, prefix=(), tp=1, dp=1, env=None):
+    return subprocess.Popen([*prefix, sys.executable, str(TREE), name, str(tp), str(dp), "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def live_pids(name) -> list[int]:
+    return [p["pid"] for p in ps(name)["processes"] if p["pid"]]
+
+
+def stop_leaving_nothing(proc, pids: list[int]) -> None:
+    """SIGTERM the supervisor: it exits 0, and none of `pids` (every process the tree had) is left."""
+    code, _, err = stop(proc)
+    assert code == 0, err
+    assert not [pid for pid in pids if psutil.pid_exists(pid)], "a process outlived the stop"
 
 
 def healed(name, old_pid):
@@ -53,17 +64,14 @@ def die_and_heal(name, how, prefix=(), tp=1, victim=WORKER):
     """Start the tree, end its worker `victim` by `how(pid)`, and wait for the restart; the incidents, read
     after the stop, and every pid the tree had."""
     proc = start(name, prefix, tp)
+    pids, later = {}, []
     try:
-        state = serving(name)
-        pids = {p["name"]: p["pid"] for p in state["processes"]}
-        wait_for(lambda: procfs.peak_rss(pids[victim]), timeout=5, what="the worker sampled")  # (a second)
+        pids = {p["name"]: p["pid"] for p in serving(name)["processes"]}
         how(pids[victim])
-        after = healed(name, pids[victim])
+        healed(name, pids[victim])
+        later = live_pids(name)
     finally:
-        code, _, err = stop(proc)
-    assert code == 0, err
-    everything = [*pids.values(), *(p["pid"] for p in after["processes"])]
-    assert not [pid for pid in everything if psutil.pid_exists(pid)], "a process outlived the stop"
+        stop_leaving_nothing(proc, [*pids.values(), *later])
     return incidents(name), pids
 
 
@@ -166,16 +174,18 @@ def test_on_cuda_the_flight_recorder_is_on_and_its_dumps_are_listed(home, tmp_pa
     and a dump the dying worker wrote (as torch's watchdog would) is listed in its incident, not loaded."""
     holders = tmp_path / "holders.json"
     holders.write_text("[]")
-    proc = subprocess.Popen([sys.executable, str(TREE), "inc-nccl", "1", "1", "5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "FAKE_NVML_HOLDERS": str(holders)})
+    proc = start("inc-nccl", env={"FAKE_NVML_HOLDERS": str(holders)})
+    pids = []
     try:
         state = serving("inc-nccl")
+        pids = live_pids("inc-nccl")
         worker = {p["name"]: p["pid"] for p in state["processes"]}[WORKER]
         os.kill(worker, signal.SIGUSR2)
         healed("inc-nccl", worker)
         wait_for(lambda: incidents("inc-nccl")[0]["nccl_dumps"], timeout=5, what="the dump listed")
+        pids += live_pids("inc-nccl")
     finally:
-        assert stop(proc)[0] == 0
+        stop_leaving_nothing(proc, pids)
     prefix = str(home / "inc-nccl" / "nccl" / "trace_rank_")
     given = json.loads(Path(prefix + "0").read_text())  # (the stand-in wrote the variables it was given)
     assert given == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
@@ -191,8 +201,8 @@ def test_on_cuda_the_flight_recorder_is_on_and_its_dumps_are_listed(home, tmp_pa
 def test_deaths_together_are_one_incident_whose_first_is_the_cause(home):
     """-dp 2: both ranks' workers killed at once (as when a node's memory runs out): the first death the
     supervisor observed is the incident's cause, the other a line inside it, not an incident of its own."""
-    proc = subprocess.Popen([sys.executable, str(TREE), "inc-two", "1", "2", "5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start("inc-two", dp=2)
+    pids, later = {}, []
     try:
         pids = {p["name"]: p["pid"] for p in serving("inc-two")["processes"]}
         os.kill(pids["worker dp0 pp0 tp0"], signal.SIGKILL)
@@ -201,8 +211,9 @@ def test_deaths_together_are_one_incident_whose_first_is_the_cause(home):
         wait_for(lambda: all(p["state"] == "ready" and p["pid"] not in pids.values()
                              for p in ps("inc-two")["processes"] if p["role"] == "worker"), timeout=30,
                  what="both groups back")
+        later = live_pids("inc-two")
     finally:
-        assert stop(proc)[0] == 0
+        stop_leaving_nothing(proc, [*pids.values(), *later])
     (incident,) = incidents("inc-two")
     first = incident["unit"]
     other = "worker-group dp1" if first == "worker-group dp0" else "worker-group dp0"

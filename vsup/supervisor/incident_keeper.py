@@ -24,6 +24,7 @@ from vsup.supervisor import flight_recorder, incident_store, stacks
 from vsup.supervisor.incidents import CAUSES, MAX_LINES, Death, Incident, Memory, consequence_of, open_incident
 
 KEEP_S = 3.0  # how far back the counters' samples go: "before" is the lowest in that time
+FORGET_S = 60.0  # what was sampled of a process is kept this long after it was last seen (its incident reads it)
 OOM_SCORE_ADJ = -500
 OOM_RAISE = 100
 RESUMED_S = 3.0  # how long after a unit is up again its resumed requests are counted in
@@ -34,10 +35,12 @@ class MemoryWatch:
         self.raise_oom = raise_oom  # each new process's oom_score_adj to +OOM_RAISE (the supervisor could not lower its own)
         self.cgroups: dict[int, str | None] = {}  # pid -> its memory cgroup
         self.peaks: dict[int, int] = {}
+        self.seen: dict[int, float] = {}  # pid -> when it was last sampled alive
         self.counts: dict[str, deque[tuple[float, int | None]]] = {}  # cgroup (or "machine") -> samples
 
     def sample(self, pids: list[int], now: float) -> None:
         for pid in pids:
+            self.seen[pid] = now
             if pid not in self.cgroups:
                 self.cgroups[pid] = procfs.memory_cgroup(pid)
                 if self.raise_oom:
@@ -50,8 +53,10 @@ class MemoryWatch:
             samples.append((now, self._count(key)))
             while samples and now - samples[0][0] > KEEP_S:
                 samples.popleft()
-        for gone in set(self.cgroups) - set(pids):  # (sampled again if the pid comes back)
+        for gone in [pid for pid, at in self.seen.items() if now - at > FORGET_S]:
+            self.seen.pop(gone)
             self.cgroups.pop(gone, None)
+            self.peaks.pop(gone, None)
 
     @staticmethod
     def _count(key: str) -> int | None:
@@ -82,7 +87,6 @@ class IncidentKeeper:
         self.counts: dict[str, int] = {f"{role}/{cause}": 0 for role in roles for cause in CAUSES}
         self.last: dict[str, dict] = {}  # unit -> its last incident, in short (ps), from earlier runs' on
         self.latest: dict[str, Incident] = {}  # unit -> its last incident of this run
-        self.everyone: dict[str, int] = {}  # every running process, by name, as the supervisor last set it
         for kept in reversed(incident_store.load_all(self.run_dir)):
             self.last[kept["unit"]] = _short(kept)
 
@@ -90,12 +94,14 @@ class IncidentKeeper:
         self.memory.sample(pids, time.monotonic())
 
     def record(self, unit: str, role: str | None, why: str, death: tuple | None, members: list[dict],
-               since: float = 0.0, requests: list[dict] = (), died_at: float | None = None) -> None:
+               since: float = 0.0, requests: list[dict] = (), died_at: float | None = None,
+               everyone: dict[str, int] | None = None) -> None:
         """Unit `unit` went down (`why`); `death`: (process, pid, exit, the signal vsup sent it or None, its peak
         RSS from wait4 or None) of the first of its processes to go, None for a hang or failing health;
         `members`: its processes (name, pid, alive); `since`: when the unit last started (wall clock);
         `requests`: those it held (id, tokens, what became of each), as the adapter knows them; `died_at`: when
-        its first death was seen (monotonic), where that was before now."""
+        its first death was seen (monotonic), where that was before now; `everyone`: every process running
+        now, by name (whose warnings and errors after the death are its consequences)."""
         now = time.monotonic()
         mine = self.open.get(unit)
         if unit in self.latest:  # (the requests resumed from here on are this death's, not the last one's)
@@ -124,7 +130,7 @@ class IncidentKeeper:
         incident = open_incident(incident_store.next_id(self.run_dir), at, now, unit, role, why, the_death,
                                  self._last_lines(pids), survivors)
         incident.pids, incident.since, incident.requests = pids, since, list(requests)
-        incident.others = {**self.everyone, **pids}
+        incident.others = {**(everyone or {}), **pids}
         incident.died_s = min(died_at or now, now)
         # where each one still running stands, before vsup kills it: the survivors of a death, or every
         # process of a hung (or unhealthy) unit
@@ -146,11 +152,10 @@ class IncidentKeeper:
             return
         known = list(incident.requests)  # (what the adapter knew at the death)
 
-        def resumed():
-            incident.requests = known + requests_after(incident.died_s, incident.next_s or float("inf"))
-            self._write(incident)
-        resumed()
-        self.later(RESUMED_S, resumed)
+        def resumed() -> list[dict]:
+            return known + requests_after(incident.died_s, incident.next_s or float("inf"))
+        incident.requests = resumed()
+        self.later(RESUMED_S, lambda: (setattr(incident, "requests", resumed()), self._write(incident)))
         incident.restart_s = round(time.monotonic() - incident.opened_s, 1)
         incident.lines_came(self._last_lines(incident.pids))
         incident.nccl_dumps = flight_recorder.dumps(self.run_dir, incident.since)

@@ -130,7 +130,7 @@ class LogRouter(threading.Thread):
         self.open_pipes = 0
         self.last_stderr: dict[str, deque[str]] = {}  # process name -> its last stderr lines and logged errors
         self.last_said: dict[str, tuple[float, str]] = {}  # process name -> when (monotonic) and what it last said
-        self.tails: dict[str, deque[tuple[float, int, str]]] = {}  # process name -> its last lines (incidents)
+        self.tails: dict[str, deque[tuple[float, dict]]] = {}  # process name -> its last records (incidents)
         self.on_load: Callable[[dict], None] | None = None  # takes the children's load reports instead of the sinks
 
     def last_lines(self, name: str) -> list[str]:
@@ -146,10 +146,14 @@ class LogRouter(threading.Thread):
         """From any thread: process `name`'s last TAIL lines, each (monotonic time, pid, `LEVEL text`)."""
         for _ in range(3):
             try:
-                return list(self.tails.get(name, ()))
+                kept = list(self.tails.get(name, ()))
+                break
             except RuntimeError:  # (the router's thread appended to it meanwhile)
                 continue
-        return []
+        else:
+            return []
+        return [(at, r.get("pid"), f"{r.get('level') or 'info'} {r.get('event')}" +
+                 (f": {said}" if (said := r.get("error") or r.get("exception")) else "")) for at, r in kept]
 
     def emit(self, record: dict) -> None:
         self.emit_all([record])
@@ -277,10 +281,7 @@ class LogRouter(threading.Thread):
             return False
         now = time.monotonic()
         self.last_said[record.get("name")] = (now, str(record.get("event"))[:80])
-        said = record.get("error") or record.get("exception")
-        self.tails.setdefault(record.get("name"), deque(maxlen=TAIL)).append(
-            (now, record.get("pid"), f"{record.get('level') or 'info'} {record.get('event')}" +
-             (f": {said}" if said else "")))
+        self.tails.setdefault(record.get("name"), deque(maxlen=TAIL)).append((now, record))
         if stream == "stderr":
             self.last_stderr.setdefault(record["name"], deque(maxlen=20)).append(line)
         elif record.get("level") in ("error", "critical"):  # a child's own last words, logged as JSON

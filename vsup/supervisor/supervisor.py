@@ -145,10 +145,9 @@ class Supervisor:
                 self.incidents.up(str(unit), lambda since, until: self.adapter.requests_after(unit, since, until))
         elif isinstance(action, lc.Record):
             evidence = self.adapter.evidence(unit)
-            self.incidents.everyone = self.adapter.live()  # (whose errors after the death are its consequences)
             self.incidents.record(str(unit), evidence["role"], self.lives[unit].why or "", evidence["death"],
                                   evidence["members"], evidence.get("since", 0.0), evidence.get("requests", []),
-                                  evidence.get("died_at"))
+                                  evidence.get("died_at"), self.adapter.live())
         elif isinstance(action, lc.GiveUp):
             self.gave_up(unit, action.reason)
         elif isinstance(action, lc.Log):
