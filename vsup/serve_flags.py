@@ -25,6 +25,7 @@ class ServeFlags:
     linear_dtype: str | None = None  # our engine's: the dtype a float32 model's linears compute in
     kv_cache_dtype: str | None = None  # our engine's: the dtype a float32 model's KV cache stores
     uds: str | None = None  # a Unix socket to serve on instead of host and port (vLLM behind vsup's front)
+    asked: frozenset[str] = frozenset()  # the flags of these the user gave (`vllm serve` gets no others)
 
 
 def engine_args(flags: ServeFlags, *, multiprocessing: bool = True, dp_lockstep: bool = False) -> tuple[str, ...]:

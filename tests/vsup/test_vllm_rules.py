@@ -16,8 +16,8 @@ from vsup.errors import UsageError
 from vsup.topology import ParallelConfig
 from vsup.front.metrics import merge_replicas
 from vsup.serve_flags import ServeFlags
-from vsup.vllm.args import (GIB, check_nodes, check_replicas, check_supported, cpu_kv_cache_gib, cpu_placement,
-                            serve_argv, serve_env, unknown_flags)
+from vsup.vllm.args import (GIB, added, check_nodes, check_replicas, check_supported, cpu_kv_cache_gib,
+                            cpu_placement, serve_argv, serve_env, unknown_flags)
 from vsup.vllm.help import parse_flags
 from vsup.vllm.names import Role, parse_line, role_of_name, role_of_title
 from vsup.vllm.plan import tree_roots, vllm_plan
@@ -113,18 +113,28 @@ def flags(**kw):
                                 max_num_seqs=16, seed=3, drain_timeout=7.5, gpu_memory_utilization=0.8), **kw})
 
 
-def test_vsup_flags_become_vllms():
-    argv = serve_argv("vllm", ParallelConfig(tensor_parallel_size=2), flags(max_model_len=256), ("--x", "1"))
-    text = " ".join(argv)
-    assert text.startswith("vllm serve /m --served-model-name m --host 127.0.0.1 --port 8000")
-    assert "--tensor-parallel-size 2" in text and "--dtype float32" in text and "--seed 3" in text
-    assert "--shutdown-timeout 8" in text and "--max-model-len 256" in text and "--enforce-eager" in text
-    assert argv[-2:] == ["--x", "1"] and "--gpu-memory-utilization" not in argv
-    behind = serve_argv("vllm", ParallelConfig(), flags(uds="/run/vllm.sock"))  # (behind vsup's front)
-    assert behind[3:7] == ["--served-model-name", "m", "--uds", "/run/vllm.sock"] and "--port" not in behind
+def test_vllm_gets_its_defaults_what_the_user_asked_and_what_supervision_needs():
+    """No flag of vsup's own default reaches vLLM (no --enforce-eager, dtype, sequence limit, seed, memory
+    share, binding): only those the user gave, and what vsup adds for supervision, each with why."""
+    argv = serve_argv("vllm", ParallelConfig(device="cpu"), flags(uds="/run/vllm.sock"))
+    assert argv == ["vllm", "serve", "/m", "--served-model-name", "m", "--uds", "/run/vllm.sock",
+                    "--shutdown-timeout", "8"]
+    assert [args for args, why in added(ParallelConfig(device="cpu"), "m", 7.5, "/run/vllm.sock") if why] == \
+        [("--served-model-name", "m"), ("--uds", "/run/vllm.sock"), ("--shutdown-timeout", "8")]
+    env = serve_env(ParallelConfig(device="cpu"), flags(), [], "secret")
+    assert not {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"} & set(env)
+    asked = flags(max_model_len=256, asked=frozenset({"--dtype", "--seed", "--max-num-seqs", "--max-model-len",
+                                                      "--gpu-memory-utilization"}))
+    text = " ".join(serve_argv("vllm", ParallelConfig(tensor_parallel_size=2, device="cpu"), asked, ("--x", "1")))
+    assert text.startswith("vllm serve /m --served-model-name m --shutdown-timeout 8 --host 127.0.0.1 --port 8000 "
+                           "--tensor-parallel-size 2 ")
+    assert text.endswith(" --dtype auto --max-num-seqs 16 --seed 3 --max-model-len 256 --gpu-memory-utilization 0.8 "
+                         "--x 1")
+    assert "--enforce-eager" not in text
     cuda = serve_argv("vllm", ParallelConfig(device="cuda"), flags(kv_cache_bytes=5), ())
-    assert "--gpu-memory-utilization" in cuda and "--kv-cache-memory-bytes" in cuda and "auto" in cuda
-    env = serve_env(ParallelConfig(tensor_parallel_size=2), flags(), [[0], [1]], "secret")
+    assert "--kv-cache-memory-bytes 5" in " ".join(cuda) and "--gpu-memory-utilization" not in cuda
+    env = serve_env(ParallelConfig(tensor_parallel_size=2, device="cpu"), flags(kv_cache_bytes=GIB), [[0], [1]],
+                    "secret")  # (--kv-cache-memory and --cpu-reserve given)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert env["VLLM_API_KEY"] == "secret" and "secret" not in argv
     assert cpu_kv_cache_gib(3 * GIB) == 3
@@ -162,7 +172,7 @@ def test_a_tree_across_nodes_is_split_by_vllms_rank_order():
 def test_vsup_flags_across_nodes_become_vllms():
     head = ParallelConfig(tensor_parallel_size=2, nnodes=2, master_addr="10.0.0.1", master_port=29501)
     argv = " ".join(serve_argv("vllm", head, flags(uds="/run/v.sock")))
-    assert "--uds /run/v.sock --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29501" in argv
+    assert "--shutdown-timeout 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29501" in argv
     node = ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=1, headless=True, master_addr="10.0.0.1",
                           api_server_count=2)
     argv = serve_argv("vllm", node, flags(uds="/run/v.sock"))
@@ -216,6 +226,19 @@ def test_plan_engine_vllm_on_the_command_line():
                                                       "worker dp0 pp0 tp0", "worker dp0 pp0 tp1",
                                                       "helper resource-tracker"]
     assert plan["processes"][4]["title"] == "VLLM::Worker_TP1"
+    assert [(a["args"][0], a["why"].split(":")[0]) for a in plan["vllm_serve_adds"]] == [
+        ("--served-model-name", "--served-model-name"), ("--uds", "vsup's front serves --host/--port and resumes "
+                                                                  "streams; vLLM serves the front alone"),
+        ("--shutdown-timeout", "--drain-timeout")]
+    text = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--device", "cpu",
+                           "--drain-timeout", "61", "--served-model-name", "tiny"],
+                          capture_output=True, text=True, check=True).stdout
+    assert text.split("\n\n")[-1].splitlines() == [
+        "vsup adds to `vllm serve` (the rest is vLLM's default, or yours):",
+        "  --served-model-name tiny  --served-model-name: the same name under both engines",
+        "  --uds RUN_DIR/vllm.sock   vsup's front serves --host/--port and resumes streams; vLLM serves the front "
+        "alone",
+        "  --shutdown-timeout 61     --drain-timeout: how long a stop lets running requests finish"]
     bad = subprocess.run([sys.executable, "-m", "vsup", "plan", "--engine", "vllm", "--no-multiprocessing"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not supported with --engine vllm" in bad.stderr

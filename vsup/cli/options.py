@@ -120,8 +120,9 @@ CpuReserve = Annotated[Optional[int], _option(
 
 DTypeOpt = Annotated[DType, _option(
     "--dtype", panel=MEMORY, case_sensitive=False,
-    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU. bfloat16 on "
-         "the CPU pays where it has avx512_bf16 or AMX (oneDNN's packed bf16 linears).")]
+    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU (with --engine "
+         "vllm: vLLM's own, given only when set). bfloat16 on the CPU pays where it has avx512_bf16 or AMX "
+         "(oneDNN's packed bf16 linears).")]
 LinearDTypeOpt = Annotated[LinearDType, _option(
     "--linear-dtype", panel=MEMORY, case_sensitive=False,
     help="The dtype the linear layers and the LM head compute in: auto is --dtype. bfloat16 runs a float32 "
@@ -147,7 +148,8 @@ KvCacheMemory = Annotated[Optional[str], _option(
          "--gpu-memory-utilization leaves after the weights]")]
 GpuMemoryUtilization = Annotated[float, _option(
     "--gpu-memory-utilization", panel=MEMORY,
-    help="Share of each GPU's memory that weights and KV cache may use.")]
+    help="Share of each GPU's memory that weights and KV cache may use (with --engine vllm, given only when "
+         "set; on the CPU vLLM's share of the node's memory).")]
 
 Json = Annotated[bool, _option("--json", help="Print JSON instead of text.")]
 

@@ -88,6 +88,9 @@ def plan(
         out = the_plan.to_json()
         if memory is not None:
             out["memory"] = memory_json(memory)
+        if engine == options.EngineKind.vllm:
+            out["vllm_serve_adds"] = [{"args": list(args), "why": why}
+                                      for args, why in vllm_added(config, model, kept or {}, replicas)]
         import json
 
         typer.echo(json.dumps(out, indent=2))
@@ -96,11 +99,31 @@ def plan(
         typer.echo(render_plan(the_plan, placement))
         if memory is not None:
             typer.echo(render_memory(shape, memory, max_model_len))
+        if engine == options.EngineKind.vllm:
+            typer.echo(render_added(vllm_added(config, model, kept or {}, replicas)))
     from vsup.devices import devices_short
 
     short = devices_short(config.device, config.devices_per_node)
     if short:  # a plan is for the target: only serve needs the devices
         typer.echo(f"note: {short}: `vsup serve` would refuse this plan here", err=True)
+
+
+def vllm_added(config, model: str | None, kept: dict, replicas: int) -> list[tuple[tuple[str, ...], str]]:
+    """The flags `vsup serve` would add to `vllm serve` (vsup/vllm/args.py), the run dir's socket as RUN_DIR."""
+    from vsup.addresses import vllm_socket
+    from engine.model.default_model import DEFAULT_MODEL_NAME
+    from vsup.vllm.args import added
+
+    name = kept.get("served_model_name") or os.path.basename(os.path.normpath(model or DEFAULT_MODEL_NAME))
+    return added(config, name, kept.get("drain_timeout", 30.0), vllm_socket("RUN_DIR", 0 if replicas > 1 else None))
+
+
+def render_added(adds: list[tuple[tuple[str, ...], str]]) -> str:
+    """What vsup adds to `vllm serve`, one flag a line with why; all else is vLLM's default or the user's."""
+    shown = [(" ".join(args), why) for args, why in adds]
+    width = max(len(a) for a, _ in shown)
+    return "\n".join(["", "vsup adds to `vllm serve` (the rest is vLLM's default, or yours):",
+                      *(f"  {a:<{width}}  {why}" for a, why in shown)])
 
 
 def placement_of(the_plan, cpu_reserve: int | None) -> dict:

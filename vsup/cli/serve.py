@@ -98,7 +98,7 @@ def serve(
     flags = ServeFlags(model=model_dir, served_model_name=served_model_name or os.path.basename(model_dir),
                        host=host, port=port, dtype=dtype.value, max_num_seqs=max_num_seqs, seed=seed,
                        drain_timeout=drain_timeout, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes)
+                       max_model_len=max_model_len, max_grammar_bytes=max_grammar_bytes, asked=asked(ctx))
     run = Options(model=os.path.basename(model_dir), url=f"http://{host}:{port}", restart_policy=policy,
                   startup_timeout=startup_timeout, drain_timeout=drain_timeout, stop_timeout=stop_timeout,
                   port_socket=port_socket, probe_socket=probe_socket, head=head_of(parallel, port, probe_port),
@@ -143,6 +143,14 @@ def serve(
     if code:
         typer.echo(f"vsup serve: {message}", err=True)
     raise typer.Exit(code)
+
+
+def asked(ctx: typer.Context) -> frozenset[str]:
+    """The flags the user gave, on the command line, in a VSUP_* variable or in --config: what `vllm serve` is
+    told (vsup/vllm/args.py); those left at their defaults stay vLLM's."""
+    given = (param for param in ctx.command.params
+             if (source := ctx.get_parameter_source(param.name)) is not None and source.name != "DEFAULT")
+    return frozenset(opt for param in given for opt in param.opts if opt.startswith("--"))
 
 
 def head_of(parallel: ParallelConfig, port: int, probe_port: int | None) -> tuple[str, int] | None:

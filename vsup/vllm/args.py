@@ -1,9 +1,11 @@
 """vsup's flags as `vllm serve` flags and environment. Pure.
 
-What vsup's options mean stays the same under `--engine vllm`: `--dtype auto` is
-float32 on the CPU, `--kv-cache-memory` is the KV cache (on the CPU vLLM takes it
-in whole GiB, as VLLM_CPU_KVCACHE_SPACE), `--drain-timeout` is vLLM's
-`--shutdown-timeout`, and the API key travels in the environment, never in argv.
+`vllm serve` gets vLLM's defaults: what the user gave (vsup's flags that vLLM takes
+too, and everything after `--`), plus only what supervision needs (`added`: the
+socket vsup's front reaches it on, `--shutdown-timeout` from --drain-timeout, the
+name it answers to). `--kv-cache-memory` on the CPU is VLLM_CPU_KVCACHE_SPACE (in
+whole GiB), `--cpu-reserve` its thread binding, and the API key travels in the
+environment, never in argv.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import math
 
 from vsup.errors import UsageError
-from vsup.memory import DEFAULT_CPU_KV_CACHE_BYTES
 from vsup.serve_flags import ServeFlags
 from vsup.topology import MAX_PROCESSES, ParallelConfig
 
@@ -82,32 +83,44 @@ def replica_gpus(visible: str | None, replicas: int, per_tree: int) -> list[str]
 
 
 def serve_argv(vllm_bin: str, config: ParallelConfig, flags: ServeFlags, extra: tuple[str, ...] = ()) -> list[str]:
-    """`vllm serve MODEL ...` for these flags; `extra` (what followed `--`) goes last, unchanged. Across
-    nodes, vLLM's own --nnodes, --node-rank, --master-addr and --master-port; a --headless node serves
-    nothing itself."""
-    where = ["--uds", flags.uds] if flags.uds else ["--host", flags.host, "--port", str(flags.port)]
+    """`vllm serve MODEL ...` for these flags: what vsup adds (`added`), then the user's own vsup flags that
+    vLLM takes too, each only where the user gave it (all else stays vLLM's default), then `extra` (what
+    followed `--`), unchanged. Across nodes, vLLM's own --nnodes, --node-rank, --master-addr and
+    --master-port; a --headless node serves nothing itself."""
+    argv = [vllm_bin, "serve", flags.model,
+            *(x for arg, _ in added(config, flags.served_model_name, flags.drain_timeout, flags.uds) for x in arg)]
+    if config.headless:
+        argv.append("--headless")
+    elif not flags.uds:
+        argv += ["--host", flags.host, "--port", str(flags.port)]
     if config.nnodes > 1:
-        where = ["--headless"] if config.headless else where
-        where += ["--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
-                  "--master-addr", config.master_addr, "--master-port", str(config.master_port)]
-    argv = [vllm_bin, "serve", flags.model, "--served-model-name", flags.served_model_name, *where,
-            "--tensor-parallel-size", str(config.tensor_parallel_size),
-            "--pipeline-parallel-size", str(config.pipeline_parallel_size),
-            "--data-parallel-size", str(config.data_parallel_size),
-            "--dtype", "float32" if flags.dtype == "auto" and config.device == "cpu" else flags.dtype,
-            "--max-num-seqs", str(flags.max_num_seqs), "--seed", str(flags.seed),
-            "--shutdown-timeout", str(math.ceil(flags.drain_timeout))]
+        argv += ["--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
+                 "--master-addr", config.master_addr, "--master-port", str(config.master_port)]
+    for size, flag in ((config.tensor_parallel_size, "--tensor-parallel-size"),
+                       (config.pipeline_parallel_size, "--pipeline-parallel-size"),
+                       (config.data_parallel_size, "--data-parallel-size")):
+        if size > 1:
+            argv += [flag, str(size)]
     if config.api_server_count is not None and not config.headless:
         argv += ["--api-server-count", str(config.api_server_count)]
-    if flags.max_model_len is not None:
-        argv += ["--max-model-len", str(flags.max_model_len)]
-    if config.device == "cuda":
-        argv += ["--gpu-memory-utilization", str(flags.gpu_memory_utilization)]
-        if flags.kv_cache_bytes is not None:
-            argv += ["--kv-cache-memory-bytes", str(flags.kv_cache_bytes)]
-    else:
-        argv.append("--enforce-eager")  # vLLM's CPU build without Triton: no torch.compile, which takes minutes
+    asked = {"--dtype": flags.dtype, "--max-num-seqs": flags.max_num_seqs, "--seed": flags.seed,
+             "--max-model-len": flags.max_model_len, "--gpu-memory-utilization": flags.gpu_memory_utilization}
+    argv += [x for flag, value in asked.items() if flag in flags.asked and value is not None for x in (flag, str(value))]
+    if config.device == "cuda" and flags.kv_cache_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(flags.kv_cache_bytes)]  # (the CPU's is VLLM_CPU_KVCACHE_SPACE)
     return [*argv, *extra]
+
+
+def added(config: ParallelConfig, served_model_name: str, drain_timeout: float,
+          uds: str | None) -> list[tuple[tuple[str, ...], str]]:
+    """The flags vsup gives `vllm serve` that the user did not, each with why: the name it answers to, and
+    what supervision needs: where it serves (`uds`, behind vsup's front), how long it drains."""
+    where = [(("--uds", uds), "vsup's front serves --host/--port and resumes streams; vLLM serves the front "
+                              "alone")] if uds and not config.headless else []
+    return [(("--served-model-name", served_model_name), "--served-model-name: the same name under both engines"),
+            *where,
+            (("--shutdown-timeout", str(math.ceil(drain_timeout))),
+             "--drain-timeout: how long a stop lets running requests finish")]
 
 
 def cpu_placement(allowed: list[int], workers: int, reserve: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -139,16 +152,16 @@ def serve_env(config: ParallelConfig, flags: ServeFlags, cpu_binds: list[list[in
         env["VLLM_API_KEY"] = api_key
     if config.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(flags.kv_cache_bytes))
+        if flags.kv_cache_bytes is not None:  # (else vLLM's own: --gpu-memory-utilization of the node's memory)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(flags.kv_cache_bytes))
         if cpu_binds and all(cpu_binds):  # (vLLM's own binding wants a NUMA node per worker past one)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores)) for cores in cpu_binds)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kept)  # the cores cpu_placement kept
     return env
 
 
-def cpu_kv_cache_gib(kv_cache_bytes: int | None) -> int:
-    """--kv-cache-memory in the whole GiB that VLLM_CPU_KVCACHE_SPACE takes (default 1 GiB, as for vsup's engine)."""
-    size = DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
+def cpu_kv_cache_gib(size: int) -> int:
+    """--kv-cache-memory in the whole GiB that VLLM_CPU_KVCACHE_SPACE takes."""
     if size < GIB or size % GIB:
         raise UsageError(f"--kv-cache-memory {size} bytes: with --engine vllm on the CPU the KV cache is set in "
                          f"whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); use {max(1, math.ceil(size / GIB))}GiB")

@@ -43,7 +43,11 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
     workers = sum(p.role == WORKER and p.device == "cpu" and p.node == config.node_rank
                   for p in vllm_plan(config).processes)
     node = node_toward(config.master_addr, config.master_port) if config.nnodes > 1 else None
-    binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas, cpu_reserve)
+    binds, kept = [], []  # (vLLM's own binding: its workers' cores, one kept per worker for the rest)
+    if cpu_reserve is not None or replicas > 1 or workers > numa_nodes():
+        # asked; or replicas, which must not share cores; or more workers than NUMA nodes, where vLLM's own
+        # binding refuses to start ("Not enough allowed NUMA nodes")
+        binds, kept = cpu_placement(sorted(os.sched_getaffinity(0)), workers * replicas, cpu_reserve)
     upstream_key = secrets.token_urlsafe(24)
     if replicas > 1 and config.device == "cuda":  # each replica its share of the GPUs the user let vsup see
         gpus = replica_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), replicas,
@@ -78,6 +82,13 @@ def vllm_deployment(config: ParallelConfig, flags: ServeFlags, vllm_bin: str | N
                   *(("--cpus", ",".join(map(str, kept))) if kept else ()))
     front_env = {"VSUP_FRONT_UPSTREAM_KEY": upstream_key, **({"VSUP_API_KEY": api_key} if api_key else {})}
     return vllm_plan(config, trees, (front_argv, front_env))
+
+
+def numa_nodes() -> int:
+    """This node's NUMA nodes with a CPU that vsup may use (vLLM's own binding puts one CPU worker on each)."""
+    from vsup.devices import this_machine
+
+    return max(1, len(this_machine("cpu").numa))
 
 
 def node_toward(host: str, port: int) -> tuple[str, str]:
