@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build(args, before_serving=join_the_port if join_later else
                 announce_when_ready if args.multiprocessing else None, on_fatal=end_without_a_core)
     config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                            loop="asyncio", http="h11")  # (measure_event_loop times asyncio's selector)
     server = uvicorn.Server(config)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then raises the signal again with the
     # handlers it found: found a no-op, a requested stop ends with exit code 0, as the other roles do

@@ -49,7 +49,7 @@ def main() -> None:
                   args.resume_timeout, args.max_pending, args.max_resumes, args.keepalive)
     config = uvicorn.Config(front, host=args.host, port=args.port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.drain_timeout,
-                            timeout_keep_alive=30, backlog=2048)
+                            timeout_keep_alive=30, backlog=2048, loop="uvloop", http="httptools")
     server = uvicorn.Server(config)
     log("listening", host=args.host, port=args.port, upstreams=args.upstream)
     server.run(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])

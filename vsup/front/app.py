@@ -24,6 +24,7 @@ from vsup.front.metrics import merge_replicas
 from vsup.front.relay import Relay, Streamed, relay_raw
 from vsup.front.resume import ROUTES, Generation, not_resumable
 from vsup.front.routing import Router
+from vsup.front.upstream import Pool
 from vsup.messages import TreeNews, decode
 from vsup.topology import ROLES
 from vsup.vllm.names import HELPER
@@ -64,10 +65,11 @@ class Front:
                 self.relay.clients = [httpx.AsyncClient(base_url="http://vllm", timeout=timeout,
                                                         transport=httpx.AsyncHTTPTransport(uds=path, limits=limits))
                                       for path in self.upstreams]
+                self.relay.pools = [Pool(path) for path in self.upstreams]
                 self.reader = asyncio.get_running_loop().create_task(self._read_supervisor())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                for client in self.relay.clients:
+                for client in [*self.relay.clients, *self.relay.pools]:
                     await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

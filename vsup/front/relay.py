@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import httpx
+import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from vsup.front.errors import Failure, Refused, error_body
 from vsup.front.log import log
 from vsup.front.resume import DONE, Generation, charge, sse, sse_events, stream_error
 from vsup.front.routing import Router
+from vsup.front.upstream import Pool
 
 REWIND_MAX = 16  # tokens a resume looks back for text that vLLM held back
 KEEPALIVE = b": keep-alive\n\n"
@@ -30,7 +31,8 @@ KEEPALIVE = b": keep-alive\n\n"
 class Relay:
     def __init__(self, router: Router, max_resumes: int, keepalive: float):
         self.router, self.max_resumes, self.keepalive = router, max_resumes, keepalive
-        self.clients: list[httpx.AsyncClient] = []  # one per replica, made at the app's start
+        self.clients: list[httpx.AsyncClient] = []  # one per replica, made at the app's start: all but generations
+        self.pools: list[Pool] = []  # one per replica: the generations (upstream.py)
         self.probe = asyncio.Lock()  # a request that may have killed the tree runs alone until a token comes out
         self.probing: dict[int, Generation] = {}  # tree gen -> the request probing it
         self.resumed_total = 0
@@ -98,15 +100,13 @@ class Relay:
                 raise
             if probing:
                 self.probing[gen] = g
-            client = self.clients[r]
             if g.resumed and g.text and g.rewindable and g.checked != len(g.generated):
-                await self._rewind(g, client, headers)
+                await self._rewind(g, self.clients[r], headers)
             route, body = g.upstream()
             g.fresh_tokens = 0
             self.router.bound[id(g)] = gen
             try:
-                response = await client.send(client.build_request("POST", route, json=body, headers=headers),
-                                             stream=True)
+                response = await self.pools[r].post(route, msgspec.json.encode(body), headers)
             except httpx.TransportError:
                 response = None
             except BaseException:
@@ -211,7 +211,7 @@ class Relay:
                         if data == b"[DONE]":
                             done = True
                             break
-                        chunk = json.loads(data)
+                        chunk = msgspec.json.decode(data)
                         code = stream_error(chunk)
                         if code is not None:
                             if code < 500:

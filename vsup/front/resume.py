@@ -11,8 +11,9 @@ out of what it receives; `usage` counts the tokens the client got.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+import msgspec
 
 COMPLETION, CHAT = "completion", "chat"
 ROUTES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
@@ -260,7 +261,7 @@ def sse_events(buffer: bytearray) -> list[bytes]:
 
 
 def sse(chunk: dict) -> bytes:
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"
