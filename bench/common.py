@@ -430,7 +430,8 @@ async def run_streams(url: str, model: str, prompts: Sequence[str], max_tokens: 
         wall = time.perf_counter() - start
     return {"wall_s": wall, "ttft_s": [s["chunks"][0] - s["t0"] for s in streams if s["chunks"]],
             "itl_s": [b - a for s in streams for a, b in zip(s["chunks"], s["chunks"][1:])],
-            "tokens": sum(s["tokens"] or 0 for s in streams), "chunks": sum(len(s["chunks"]) for s in streams)}
+            "tokens": sum(s["tokens"] or len(s["chunks"]) for s in streams),  # (no usage: a token a chunk)
+            "chunks": sum(len(s["chunks"]) for s in streams)}
 
 
 def stream_summary(run: dict) -> dict:

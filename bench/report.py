@@ -41,9 +41,12 @@ BENCHES = {
     "vllm_supervised": "bench/vllm_supervised.py",
     "scaling": "bench/scaling.py",
     "structured": "bench/structured.py",
+    "peers": "bench/peers.py",
+    "front_relay": "bench/front_relay.py",
 }
-SECTIONS = ("Conditions", "Serving", "Engine overhead", "The seed's claim", "The supervisor", "Scaling",
-            "Structured outputs", "Against the goals", "Missing inputs")
+SECTIONS = ("Conditions", "Serving", "Against peers at their defaults", "The front's relay", "Engine overhead",
+            "The seed's claim", "The supervisor", "Scaling", "Structured outputs", "Against the goals",
+            "Missing inputs")
 # issue 20: a decode step within these multiples of its floor (the float32 linears alone), by batch
 FLOOR_GOALS = {1: 1.2, 16: 1.25, 64: 1.25}
 BASELINES = {"hf_batch": "HF generate, padded batch", "hf_one_by_one": "HF generate, one by one", "vllm": "vLLM-CPU"}
@@ -552,6 +555,55 @@ class Report:
                  "tokenizer's info.", "")
         self.goal("50% structured vs 0% at 16 streams >= 0.9x", f"{r:.2f}x", "met" if r >= 0.9 else "not met")
 
+    def peers(self) -> None:
+        p = self.need("peers")
+        if p is None:
+            return
+        self.source("peers")
+        self.add(f"CPU: {p['conditions'].get('cpu_model', '?')}. {p['tokens']} tokens a stream; medians of "
+                 f"{len(next(iter(p['rounds'].values()), []))} interleaved round(s); each side at its own defaults "
+                 "(bench/peers.py names every flag).", "")
+        for side, why in p.get("skipped", {}).items():
+            self.add(f"- {side} skipped: {why}")
+        counts = p["streams"]
+        for placement, summary in p["summary"].items():
+            self.add("", f"**{placement}** (every core for the model)" if placement == "all" else
+                     f"**{placement}** (each side's own placement)", "",
+                     "| side | " + " | ".join(f"{n} streams tok/s | ITL p50 ms" for n in counts) + " | vsup / side |",
+                     "|---|" + "---|---|" * len(counts) + "---|")
+            for side in p["sides"]:
+                mine = summary[side]
+                ratios = ", ".join(f"{summary['vsup'][str(n)].get('x_' + side, float('nan')):.2f}x" for n in counts) \
+                    if side != "vsup" and "vsup" in summary else "-"
+                self.add(f"| {side} | " + " | ".join(f"{_f(mine[str(n)]['tokens_per_s'])} | "
+                                                    f"{_f(mine[str(n)]['itl_p50_ms'])}" for n in counts)
+                         + f" | {ratios} |")
+                if placement == "all" and side.startswith(("vllm", "llama")) and side != "vllm-eager":
+                    for n in counts:
+                        x = summary["vsup"][str(n)].get(f"x_{side}")
+                        if x is not None:
+                            self.goal(f"vsup / {side} at {n} streams, every core >= 1.4x", f"{x:.2f}x",
+                                      "met" if x >= 1.4 else "not met")
+        self.add("")
+
+    def front(self) -> None:
+        f = self.need("front_relay")
+        if f is None:
+            return
+        self.source("front_relay")
+        cap, lat = f["cases"]["capacity"], f["cases"]["latency"]
+        self.add(f"vsup's front for a stock vLLM (`vsup serve --engine vllm`) on one core, a stand-in upstream that "
+                 f"streams vLLM-shaped chunks with token ids to {f['streams']} streams: **{cap['front_tokens_per_s']:.0f} "
+                 f"tokens/s** through the front as fast as the upstream goes (straight to it: "
+                 f"{cap['straight_tokens_per_s']:.0f}); at {f['goals']['tokens_per_s']:,} tokens/s offered, ITL p99 "
+                 f"{lat['front_itl_p99_ms']:.2f} ms through the front against {lat['straight_itl_p99_ms']:.2f} ms "
+                 f"straight (+{f['itl_p99_added_ms']:.2f} ms).", "")
+        self.goal(f"front relay on one core >= {f['goals']['tokens_per_s']:,} tokens/s",
+                  f"{f['front_tokens_per_s']:.0f}", "met" if f["front_tokens_per_s"] >= f["goals"]["tokens_per_s"]
+                  else "not met")
+        self.goal(f"front's ITL p99 added <= {f['goals']['itl_p99_added_ms']} ms", f"{f['itl_p99_added_ms']:.2f} ms",
+                  "met" if f["itl_p99_added_ms"] <= f["goals"]["itl_p99_added_ms"] else "not met")
+
     def goals_table(self) -> None:
         self.add("| goal | figure | status |", "|---|---|---|")
         for goal, figure, status in self.goals:
@@ -577,6 +629,8 @@ class Report:
                      "figures mean nothing.** Run `make bench-quick` or `make bench` for figures.", "")
         self.section("Conditions", self.conditions)
         self.section("Serving", self.serving)
+        self.section("Against peers at their defaults", self.peers)
+        self.section("The front's relay", self.front)
         self.section("Engine overhead", self.overhead)
         self.section("The seed's claim", self.claim)
         self.section("The supervisor", self.supervisor)

@@ -36,8 +36,11 @@ BENCHES = {
     "ring_buffer": ["rows"],
     "vllm_cpu": ["detect"],
     "vllm_supervised": ["detect"],
+    "peers": ["sides", "skipped", "summary", "rounds"],
+    "front_relay": ["cases", "front_tokens_per_s", "itl_p99_added_ms"],
 }
-SECTIONS = ["## Conditions", "## Serving", "## Engine overhead", "## The seed's claim", "## The supervisor",
+SECTIONS = ["## Conditions", "## Serving", "## Against peers at their defaults", "## The front's relay",
+            "## Engine overhead", "## The seed's claim", "## The supervisor",
             "## Scaling", "## Structured outputs", "## Against the goals", "## Missing inputs"]
 PNGS = ["serving_throughput.png", "serving_latency.png", "engine_throughput.png", "decode_step.png", "overhead.png",
         "claim.png", "supervisor.png", "scaling.png"]
