@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [compare_decode(ours, theirs, b, args.steps, warmup) for b in args.batches]
     results["decode"] = rows
     results["prefill_first_token_agree"] = prefill_agree
-    print_table(f"decode step, ms (median of {args.steps} steps, context {args.prompt_len}+, float32, "
-                f"ours, HF and the linear floor in turn)",
+    print_table(f"decode step, ms (median of {args.steps} steps, context {args.prompt_len}+, float32 model, linears "
+                f"{args.linear_dtype or 'float32'}, KV cache {args.kv_cache_dtype or 'float32'}; ours, HF and the "
+                f"linear floor in turn)",
                 ["batch", "ours ms", "HF ms", "ours/HF", "paired", "rows agree", "goal", "floor ms", "ours/floor"],
                 [[r["batch"], r["ours_ms"], r["hf_ms"], f"{r['ratio']:.2f}", f"{r['paired_ratio_median']:.2f}",
                   f"{r['greedy_rows_agree']:.0%}", "<= 1.0", r["floor_ms"], f"{r['ours_over_floor']:.2f}"]
