@@ -23,7 +23,8 @@ LAYERS = [  # bottom first; a module belongs to the entry that is the longest pr
     ["engine.wire"],                                            # every message that crosses a process boundary
     # what each process does
     ["engine.log", "engine.process", "engine.args", "engine.progress", "engine.cluster", "engine.load"],
-    ["engine.model.config", "engine.model.default_model"],     # the model as config.json says, without torch
+    ["engine.model.config"],                                    # the model as config.json says, without torch
+    ["engine.model.default_model"],                             # the default model, converted once
     ["engine.ring", "engine.distributed", "engine.ops"],        # steps, tensors and kernels between processes
     ["engine.model", "engine.sampling", "engine.structured"],
     ["engine.worker"],

