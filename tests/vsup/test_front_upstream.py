@@ -37,6 +37,25 @@ async def serving(tmp_path, answer):
     return server, path, seen
 
 
+def two_requests(tmp_path, answer, body=b"{}", headers=None):
+    """Two requests in turn through one Pool to a server that answers with `answer`: each answer's (status,
+    headers, body read whole), the requests the server saw, and the connections the pool kept at the end."""
+    async def main():
+        server, path, seen = await serving(tmp_path, answer)
+        async with server:
+            pool = Pool(path)
+            got = []
+            for _ in range(2):
+                response = await pool.post("/v1/completions", body, headers or {})
+                got.append((response.status_code, response.headers, await response.aread()))
+                await response.aclose()
+                await asyncio.sleep(0.05)
+            kept = len(pool.idle)
+            await pool.aclose()
+            return got, seen, kept
+    return asyncio.run(main())
+
+
 def test_a_chunked_answer_split_anywhere_reads_whole_and_the_connection_is_kept(tmp_path):
     events = [b'data: {"n":%d}\n\n' % i for i in range(50)]
     wire = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunked(*events)
@@ -48,21 +67,10 @@ def test_a_chunked_answer_split_anywhere_reads_whole_and_the_connection_is_kept(
             await asyncio.sleep(0)
         return True
 
-    async def main():
-        server, path, seen = await serving(tmp_path, answer)
-        async with server:
-            pool = Pool(path)
-            texts = []
-            for _ in range(2):
-                response = await pool.post("/v1/completions", b'{"a":1}', {"authorization": "Bearer k"})
-                assert (response.status_code, response.headers["content-type"]) == (200, "text/event-stream")
-                texts.append(b"".join([piece async for piece in response.aiter_raw()]))
-                await response.aclose()
-            assert len(pool.idle) == 1  # the second request went on the first's connection
-            await pool.aclose()
-            return texts, seen
-    texts, seen = asyncio.run(main())
-    assert texts == [b"".join(events)] * 2
+    got, seen, kept = two_requests(tmp_path, answer, b'{"a":1}', {"authorization": "Bearer k"})
+    assert [(status, headers["content-type"], text) for status, headers, text in got] == \
+        [(200, "text/event-stream", b"".join(events))] * 2
+    assert kept == 1 and len(seen) == 2  # the second request went on the first's connection
     assert seen[0][0].startswith(b"POST /v1/completions HTTP/1.1\r\n") and b"authorization: Bearer k\r\n" in seen[0][0]
     assert seen[0][1] == b'{"a":1}'
 
@@ -74,20 +82,9 @@ def test_a_sized_answer_and_a_kept_connection_the_server_closed(tmp_path):
         await writer.drain()
         return False  # and closes the connection, as a server whose keep-alive ran out
 
-    async def main():
-        server, path, seen = await serving(tmp_path, answer)
-        async with server:
-            pool = Pool(path)
-            got = []
-            for _ in range(2):
-                response = await pool.post("/v1/completions", b"{}", {})
-                got.append((response.status_code, await response.aread()))
-                await response.aclose()
-                await asyncio.sleep(0.05)
-            await pool.aclose()
-            return got, seen
-    got, seen = asyncio.run(main())
-    assert got == [(400, b'{"e":"x"}')] * 2 and len(seen) == 2  # the closed one was not used: a new one was
+    got, seen, _ = two_requests(tmp_path, answer)
+    assert [(status, text) for status, _, text in got] == [(400, b'{"e":"x"}')] * 2  # (not Gone: a new one served)
+    assert len(seen) == 2
 
 
 def test_an_answer_cut_short_or_no_server_is_gone(tmp_path):

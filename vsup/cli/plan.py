@@ -110,8 +110,8 @@ def plan(
 
 def vllm_added(config, model: str | None, kept: dict, replicas: int) -> list[tuple[tuple[str, ...], str]]:
     """The flags `vsup serve` would add to `vllm serve` (vsup/vllm/args.py), the run dir's socket as RUN_DIR."""
-    from vsup.addresses import vllm_socket
     from engine.model.config import DEFAULT_MODEL_NAME
+    from vsup.addresses import vllm_socket
     from vsup.vllm.args import added
 
     name = kept.get("served_model_name") or os.path.basename(os.path.normpath(model or DEFAULT_MODEL_NAME))
