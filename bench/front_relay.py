@@ -70,7 +70,8 @@ class Upstream:
                 if head.startswith(b"GET /health"):
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                     continue
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
                 done = asyncio.get_running_loop().create_future()
                 self.count += 1
                 self.running.append([writer, self.count, int(body.get("max_tokens", 16)), 0, done])

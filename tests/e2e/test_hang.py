@@ -48,8 +48,9 @@ def test_a_stopped_worker_is_a_hang_whose_evidence_is_kept_and_no_request_fails(
     try:
         assert in_flight, "the streams ended before the fault"
         found = wait_for(lambda: json.loads(s.vsup("incidents", "--json").stdout or "[]"), timeout=HANG_TIMEOUT + 30,
-                         what="the hang's incident", now=lambda: s.vsup("ps").stdout + "\n".join(
-                             s.vsup("logs", "--role", role, "-n", "15").stdout for role in ("supervisor", "engine-core")))
+                         what="the hang's incident", now=lambda: "\n".join(
+                             [s.vsup("ps").stdout] + [s.vsup("logs", "--role", role, "-n", "15").stdout
+                                                      for role in ("supervisor", "engine-core")]))
     finally:
         try:
             os.kill(worker, signal.SIGCONT)  # (vsup has killed it: a stopped process takes SIGKILL too)
