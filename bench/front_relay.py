@@ -5,7 +5,7 @@ A stand-in upstream (this file, `--upstream SOCKET`) serves /v1/completions on a
 does, with chunks shaped like vLLM 0.32's with `return_token_ids` (one token each, its id, the prompt's ids in the
 first): in steps, one chunk to every running stream a step, as an engine does, either as fast as it can (`flood`)
 or one step every PACE ms (`paced`). The front (`python -m vsup.front`, as `vsup serve --engine vllm` starts it,
-told by a stand-in supervisor that the tree is up) runs on core 0 alone; the upstream and the clients (raw
+told by a stand-in supervisor that the tree is up) runs on the first core alone; the upstream and the clients (raw
 asyncio HTTP/1.1, one connection a stream, counting events) on the other cores. Each case runs straight to the
 upstream and through the front, interleaved, the order flipped every round:
 
@@ -158,8 +158,9 @@ def measure(target: str, streams: int, tokens: int, socket_path: str, port: int)
 # the processes
 
 def start_upstream(children: Children, path: str, pace_s: float, cores: str) -> subprocess.Popen:
-    proc = children.spawn(["taskset", "-c", cores, sys.executable, __file__, "--upstream", path, "--pace",
-                           str(pace_s)], cwd=REPO_ROOT / "bench")
+    cpus = {int(c) for c in cores.split(",")}
+    proc = children.spawn([sys.executable, __file__, "--upstream", path, "--pace", str(pace_s)], cwd=REPO_ROOT / "bench",
+                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -168,13 +169,13 @@ def start_upstream(children: Children, path: str, pace_s: float, cores: str) -> 
     return proc
 
 
-def start_front(children: Children, path: str, port: int) -> subprocess.Popen:
-    """The front as `vsup serve --engine vllm` starts it (vsup/vllm/launch.py), on core 0 alone."""
+def start_front(children: Children, path: str, port: int, core: int) -> subprocess.Popen:
+    """The front as `vsup serve --engine vllm` starts it (vsup/vllm/launch.py), on `core` alone."""
     from vsup.messages import TreeNews, encode_line
 
     proc = children.spawn([sys.executable, "-m", "vsup.front", "--host", "127.0.0.1", "--port", str(port),
                            "--upstream", path, "--resume-timeout", "60", "--max-pending", "1024", "--max-resumes", "2",
-                           "--drain-timeout", "5", "--cpus", "0"], stdin=subprocess.PIPE, cwd=REPO_ROOT)
+                           "--drain-timeout", "5", "--cpus", str(core)], stdin=subprocess.PIPE, cwd=REPO_ROOT)
     proc.stdin.write(encode_line(TreeNews(0, 1, True)))
     proc.stdin.flush()
     deadline = time.monotonic() + 60
@@ -199,12 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     rounds, streams, tokens = {"smoke": (1, 8, 10), "quick": (2, args.streams, 100)}.get(run_mode,
                                                                                           (3, args.streams, 200))
     cores = os.sched_getaffinity(0)
-    others = ",".join(str(c) for c in sorted(cores - {0})) or "0"
+    front_core = min(cores)
+    others = ",".join(str(c) for c in sorted(cores - {front_core})) or str(front_core)
     os.sched_setaffinity(0, {int(c) for c in others.split(",")})  # the clients off the front's core
     pace_s = streams / GOAL_TOKENS_S  # one step gives every stream a token: the upstream offers the goal's rate
     cases = {"capacity": (0.0, tokens), "latency": (pace_s, max(10, tokens // 2))}
     results = {"conditions": conditions(), "streams": streams, "cases": {}, "goals": {
-        "tokens_per_s": GOAL_TOKENS_S, "itl_p99_added_ms": GOAL_ITL_P99_ADDED_MS}, "front_core": 0,
+        "tokens_per_s": GOAL_TOKENS_S, "itl_p99_added_ms": GOAL_ITL_P99_ADDED_MS}, "front_core": front_core,
         "client_cores": others}
     with tempfile.TemporaryDirectory(prefix="vsup-bench-front-") as tmp:
         for case, (pace, n) in cases.items():
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                 path = str(Path(tmp) / f"{case}.sock")
                 start_upstream(children, path, pace, others)
                 port = free_port()
-                start_front(children, path, port)
+                start_front(children, path, port, front_core)
                 measure("front", min(streams, 8), 4, path, port)  # warm-up
                 for r in range(rounds):
                     for target in ("straight", "front") if r % 2 == 0 else ("front", "straight"):
