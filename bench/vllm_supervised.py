@@ -45,6 +45,7 @@ from vsup.vllm.args import serve_argv, serve_env  # noqa: E402
 from vsup.vllm.help import PROJECT_VENV_BIN  # noqa: E402
 
 FLOOD_LINES = 20000
+SMALL_KV = ("--kv-cache-memory", "1GiB")  # the healing figures' trees (see above)
 
 
 def flags(model_dir: str, port: int) -> ServeFlags:
@@ -63,7 +64,7 @@ def bare(children: Children, model_dir: str, log_dir: Path) -> Server:
 
 
 def supervised(children: Children, model_dir: str, home: Path, env: dict | None = None, replicas: int = 1,
-               *extra: str) -> Server:
+               extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "vsup", "serve", model_dir, "--engine", "vllm", "--port", str(port),
             "--name", f"b{port}", "--served-model-name", MODEL_NAME, "--drain-timeout", "5", "--log-format", "json",
@@ -122,7 +123,7 @@ def heal_and_flood(model_dir: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-heal-") as tmp, Children(grace_s=30) as children:
         home = Path(tmp)
         flood = f"VLLM::Worker|{'x' * 100}|{FLOOD_LINES}"
-        server = supervised(children, model_dir, home, {"VSUP_HOOK_TEST_FD2": flood}, 1, "--kv-cache-memory", "1GiB")
+        server = supervised(children, model_dir, home, env={"VSUP_HOOK_TEST_FD2": flood}, extra=SMALL_KV)
         server.wait_ready(timeout_s=600)
         name = server.proc.args[server.proc.args.index("--name") + 1]
         log = home / name / "logs" / "vsup.jsonl"
@@ -164,7 +165,7 @@ def replicas_heal(model_dir: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="vsup-bench-vllm-replicas-") as tmp, Children(grace_s=30) as children:
         home = Path(tmp)
-        server = supervised(children, model_dir, home, None, 2, "--kv-cache-memory", "1GiB")
+        server = supervised(children, model_dir, home, replicas=2, extra=SMALL_KV)
         server.wait_ready(timeout_s=900)
         name = server.proc.args[server.proc.args.index("--name") + 1]
         deadline = time.monotonic() + 600  # both trees up, not just the first
