@@ -18,6 +18,7 @@ from engine.ops import cpu_extension
 from engine.progress import ProgressReporter
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.wire.worker_messages import WorkerReady
+from engine.worker import heap
 from engine.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("worker")
@@ -77,8 +78,10 @@ class Worker:
     def init_device(self, epoch: str = "") -> None:
         """Join the worker group (TP x PP > 1) under `epoch`, the generation its core forms."""
         cfg = self.config
-        if cfg.device == "cpu" and cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        if cfg.device == "cpu":
+            heap.keep_freed_memory()
+            if cfg.num_threads:
+                torch.set_num_threads(cfg.num_threads)
         if cfg.world_size > 1 and not cfg.dist_init_method:
             raise ValueError("a worker group of more than one rank needs a dist_init_method")
         self.groups = ParallelGroups.init(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.rank,
