@@ -4,8 +4,9 @@ A step on the CPU allocates its activations afresh, layer by layer: at a prefill
 output alone is 12 MB a layer. glibc serves a block that large with its own mmap and unmaps it when it is
 freed (or trims the heap's top back to the kernel), so the next layer's block faults its pages in again, one
 4 KiB page at a time: measured here, a 64-prompt prefill step took 440-600 ms with glibc's defaults and
-330-400 ms with the settings below, and 64 streams through the server 1.12-1.21x the tokens/s. What the
-heap keeps is bounded by a step's peak, which the worker's memory figures already count.
+330-400 ms with the settings below, and 64 streams through the server 1.12-1.21x the tokens/s. The worker
+sets them once its weights and KV cache are in place, after giving back what loading freed, so that what
+the heap keeps from then on is bounded by a step's peak (and the cache's pages are faulted in as they fill).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ TOP_PAD = 64 << 20  # the heap grows by at least this much at a time
 
 
 def keep_freed_memory() -> bool:
-    """Set the heap's thresholds; False (and nothing changed) where the C library is not glibc."""
+    """Give back what the heap holds free now (what loading the weights freed), then set its thresholds for
+    the steps to come; False (and nothing changed) where the C library is not glibc."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
+    libc.malloc_trim(0)
     done = all(libc.mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
     if not done:

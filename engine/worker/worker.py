@@ -78,10 +78,8 @@ class Worker:
     def init_device(self, epoch: str = "") -> None:
         """Join the worker group (TP x PP > 1) under `epoch`, the generation its core forms."""
         cfg = self.config
-        if cfg.device == "cpu":
-            heap.keep_freed_memory()
-            if cfg.num_threads:
-                torch.set_num_threads(cfg.num_threads)
+        if cfg.device == "cpu" and cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         if cfg.world_size > 1 and not cfg.dist_init_method:
             raise ValueError("a worker group of more than one rank needs a dist_init_method")
         self.groups = ParallelGroups.init(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.rank,
@@ -139,6 +137,8 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> int:
         """Allocate `num_blocks` KV blocks on every layer of this stage; returns the bytes."""
         nbytes = self.runner.allocate_cache(num_blocks)
+        if self.config.device == "cpu":  # for the steps: what loading freed goes back, and no more after
+            heap.keep_freed_memory()
         log.info("kv cache allocated", num_blocks=num_blocks, kv_cache_bytes=nbytes)
         return nbytes
 
