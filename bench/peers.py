@@ -2,10 +2,10 @@
 
 Sides, each started fresh for every measurement, every flag and variable recorded in the results:
 
-- `vsup`: `vsup serve MODEL` (our engine, float32 on the CPU, its default);
-- `vsup-bf16`: the same with `--linear-dtype bfloat16 --kv-cache-dtype bfloat16`, where the CPU computes bfloat16
-  (avx512_bf16, AMX): vLLM-CPU's own default there runs a float32 model in bfloat16 (`dtype=torch.bfloat16` in its
-  log), so this is our engine at vLLM's precision, or better (activations, norms and attention stay float32);
+- `vsup`: `vsup serve MODEL`, our engine at its default: where the CPU computes bfloat16 (avx512_bf16, AMX), a
+  float32 model's linears and KV cache in bfloat16 (activations, norms and attention stay float32), as vLLM-CPU's
+  own default there runs a float32 model in bfloat16 (`dtype=torch.bfloat16` in its log); float32 elsewhere;
+- `vsup-f32`: the same with `--dtype float32`, float32 throughout (transformers' greedy tokens);
 - `vllm`: `vllm serve MODEL` from .vllm-venv (`make vllm`): vLLM-CPU compiled with torch inductor, its
   default (the compile cache, `~/.cache/vllm/torch_compile_cache`, is recorded warm or cold at each start;
   the first start of a machine compiles for about a minute, later ones load it);
@@ -50,10 +50,10 @@ from vsup.devices import cpu_computes_bfloat16
 MODEL_NAME = "SmolLM2-135M-Instruct"
 LLAMA_DIR = REPO_ROOT / ".llama-cpp"
 LLAMA_SERVER = LLAMA_DIR / "bin" / "llama-server"
-SIDES = ("vsup", "vsup-bf16", "vllm", "vllm-eager", "llama.cpp")
-OURS = ("vsup", "vsup-bf16")  # (each compared with every other side)
-BF16 = ["--linear-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]
+SIDES = ("vsup", "vsup-f32", "vllm", "vllm-eager", "llama.cpp")
+OURS = ("vsup", "vsup-f32")  # (each compared with every other side)
 PLACEMENTS = ("all", "default")
+FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")  # (medians of the rounds)
 WORDS = ("the river city light paper window garden stone music winter market voice silver morning road "
          "table story ocean field bridge").split()
 
@@ -92,8 +92,8 @@ def available(side: str) -> str | None:
     if side.startswith("vllm"):
         found = detect_vllm()
         return None if found["available"] else found["why_not"]
-    if side == "vsup-bf16" and not cpu_computes_bfloat16():
-        return "this CPU has no avx512_bf16 or AMX: --linear-dtype bfloat16 is refused here"
+    if side == "vsup-f32" and not cpu_computes_bfloat16():
+        return "this CPU has no avx512_bf16 or AMX: vsup's default is float32 here, the `vsup` side"
     if side == "llama.cpp" and not LLAMA_SERVER.exists():
         return f"no {LLAMA_SERVER.relative_to(REPO_ROOT)}: run `make llama-cpp`"
     return None
@@ -104,7 +104,8 @@ def command(side: str, placement: str, streams: int, model_dir: Path, port: int)
     cores = os.cpu_count() or 1
     if side in OURS:
         return [sys.executable, "-m", "vsup", "serve", str(model_dir), "--port", str(port), "--log-format", "text",
-                *(["--cpu-reserve", "0"] if placement == "all" else []), *(BF16 if side == "vsup-bf16" else [])], {}
+                *(["--cpu-reserve", "0"] if placement == "all" else []),
+                *(["--dtype", "float32"] if side == "vsup-f32" else [])], {}
     if side.startswith("vllm"):
         argv = [str(vllm_python().parent / "vllm"), "serve", str(model_dir), "--served-model-name", MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), *(["--enforce-eager"] if side == "vllm-eager" else [])]
@@ -173,7 +174,7 @@ def summarize(rounds: list[dict], sides: list[str], counts: list[int]) -> dict:
     out = {}
     for side in sides:
         out[side] = {n: {k: statistics.median(r[side][n][k] for r in rounds)
-                         for k in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")} for n in counts}
+                         for k in FIGURES} for n in counts}
     for ours in (s for s in sides if s in OURS):
         for peer in (s for s in sides if s != ours):
             for n in counts:
@@ -216,10 +217,10 @@ def print_results(results: dict) -> None:
     sides, counts = results["sides"], results["streams"]
     print(f"\nCPU: {results['conditions']['cpu_model']}, {os.cpu_count()} CPUs")
     for placement, summary in results["summary"].items():
-        rows = [[side, *(summary[side][n][k] for n in counts for k in ("tokens_per_s", "itl_p50_ms"))]
-                for side in sides]
-        print_table(f"{placement}: tok/s and ITL p50 ms, medians of {len(results['rounds'][placement])} rounds",
-                    ["side", *(f"{n} {k}" for n in counts for k in ("tok/s", "ITL"))], rows)
+        rows = [[side, *(summary[side][n][k] for n in counts for k in FIGURES)] for side in sides]
+        print_table(f"{placement}: tok/s, TTFT and ITL ms, medians of {len(results['rounds'][placement])} rounds",
+                    ["side", *(f"{n} {k}" for n in counts
+                               for k in ("tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"))], rows)
         for ours in (s for s in sides if s in OURS):
             peers = [s for s in sides if s != ours]
             print_table(f"{placement}: {ours} / peer, tok/s, median of the rounds' ratios", ["peer", *map(str, counts)],

@@ -29,7 +29,7 @@ def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[range]:
 
 
 def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
-    """`auto` is the model's own dtype on CUDA and float32 on the CPU."""
+    """`auto` is the model's own dtype on CUDA and float32 on the CPU (see `cpu_auto_parts` for its parts)."""
     if dtype == "auto":
         return shape.dtype if device == "cuda" else "float32"
     from vsup.model_shape import DTYPE_BYTES
@@ -37,6 +37,17 @@ def resolve_dtype(dtype: str, shape: ModelShape, device: str) -> str:
     if dtype not in DTYPE_BYTES:
         raise UsageError(f"--dtype must be auto, {', '.join(DTYPE_BYTES)} (got {dtype!r})")
     return dtype
+
+
+def cpu_auto_parts(dtype: str, device: str, auto_bfloat16: bool, linear_dtype: str, kv_cache_dtype: str
+                   ) -> tuple[str, str]:
+    """(--linear-dtype, --kv-cache-dtype) with `auto` worked out: under --dtype auto on a CPU that computes
+    bfloat16 (`auto_bfloat16`), a float32 model's linears and KV cache are bfloat16, as vLLM-CPU runs a float32
+    model in bfloat16 there (our norms, rotary and attention stay float32); elsewhere auto is --dtype's."""
+    if dtype == "auto" and device == "cpu" and auto_bfloat16:
+        return (("bfloat16" if linear_dtype == "auto" else linear_dtype),
+                ("bfloat16" if kv_cache_dtype == "auto" else kv_cache_dtype))
+    return linear_dtype, kv_cache_dtype
 
 
 def _part_in_other_dtype(flag: str, value: str, dtype: str, device: str, does: str) -> str | None:
@@ -135,14 +146,17 @@ class MemoryPlan:
 def memory_plan(shape: ModelShape, *, tp: int, pp: int, dtype: str, device: str,
                 device_bytes: int | None, kv_cache_memory: int | None,
                 gpu_memory_utilization: float, max_model_len: int | None,
-                linear_dtype: str = "auto", cpu_bfloat16: bool = False, kv_cache_dtype: str = "auto") -> MemoryPlan:
+                linear_dtype: str = "auto", cpu_bfloat16: bool = False, kv_cache_dtype: str = "auto",
+                auto_bfloat16: bool = False) -> MemoryPlan:
     """Work out what each worker holds, or raise a "won't fit" UsageError saying by how much.
 
     `device_bytes` is one worker's share of its device: a GPU's memory, or the
     node's RAM divided among its workers; None when it cannot be known.
-    `cpu_bfloat16`: whether this CPU computes bfloat16 (for `linear_dtype`). The flags' values were checked
-    before (vsup/cli/sizing.py's check_values).
+    `cpu_bfloat16`: whether this CPU computes bfloat16 (for `linear_dtype`); `auto_bfloat16`: whether --dtype
+    auto gives the linears and KV cache bfloat16 (`cpu_auto_parts`). The flags' values were checked before
+    (vsup/cli/sizing.py's check_values).
     """
+    linear_dtype, kv_cache_dtype = cpu_auto_parts(dtype, device, auto_bfloat16, linear_dtype, kv_cache_dtype)
     dtype = resolve_dtype(dtype, shape, device)
     linear_dtype = resolve_linear_dtype(linear_dtype, dtype, device, cpu_bfloat16)
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)

@@ -23,6 +23,12 @@ VSUP = [sys.executable, "-m", "vsup"]
 LOG_FIELDS = {"ts", "name", "event", "role", "a", "dp", "pp", "tp", "pid", "stream", "logger", "level"}
 
 
+# float32 throughout, whatever the CPU: the tests hold a stream that a fault made recompute or resume to its
+# fault-free greedy text, and count on what 4 MiB of KV cache holds (the default's bfloat16 parts, on a CPU that
+# computes them, round a row differently as the rows beside it change: docs/operating.md)
+FLOAT32 = ("--dtype", "float32")
+
+
 class Served:
     """One `vsup serve` subprocess serving the model as "tiny".
 
@@ -40,7 +46,8 @@ class Served:
         self.url = f"http://{host}:{self.port}"
         self.env = {**os.environ, "VSUP_HOME": self.home, **(env or {})}
         self.proc = subprocess.Popen([*prefix, *VSUP, "serve", model, "--name", name, "--host", host,
-                                      "--port", str(self.port), "--device", "cpu", "--kv-cache-memory", kv_cache_memory,
+                                      "--port", str(self.port), "--device", "cpu", *FLOAT32,
+                                      "--kv-cache-memory", kv_cache_memory,
                                       "--max-model-len", "256", "--served-model-name", "tiny", "--log-format", "json",
                                       *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)

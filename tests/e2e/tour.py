@@ -35,6 +35,18 @@ MASKS = [  # (what changes from run to run, what stands for it)
     (re.compile(r"\bid=\d+"), "id=N"),
 ]
 
+# What the CPU's default precision decides (vsup/memory.py's cpu_auto_parts: bfloat16 linears and KV cache where
+# the CPU computes bfloat16): the dtypes and what they size. Masked only on a CPU whose default differs from
+# the one the README's tour was written on, so that on the same kind of CPU a wrong figure still fails.
+PRECISION_MASKED = {"DEV MEM"}
+PRECISION_MASK = re.compile(r"\b(linear_dtype|kv_cache_dtype|weight_bytes|num_blocks|kv_bytes_per_block|"
+                            r"kv_cache_bytes)=\S+")
+
+
+def written_in_bfloat16(readme: str) -> bool:
+    """Whether the README's tour was written on a CPU whose default is bfloat16 linears (its worker says so)."""
+    return "linear_dtype=bfloat16" in readme
+
 
 @dataclass
 class Example:
@@ -74,9 +86,10 @@ def readme_examples(tour: str) -> list[tuple[str, list[Example]]]:
     return out
 
 
-def mask(text: str) -> list[str]:
+def mask(text: str, precision: bool = False) -> list[str]:
     """The lines of `text` with what changes from run to run masked, and runs of spaces as one (a masked
-    cell's width changes the columns)."""
+    cell's width changes the columns); `precision`: what the CPU's default precision decides too."""
+    masked = PS_MASKED | (PRECISION_MASKED if precision else set())
     lines, columns = [], None
     for line in text.rstrip("\n").split("\n"):
         if line.startswith("NAME ") and "PID" in line:
@@ -84,10 +97,10 @@ def mask(text: str) -> list[str]:
         elif columns and line.strip():
             cells = re.split(r"\s{2,}", line.strip())
             if len(cells) == len(columns):
-                line = "  ".join("*" if name in PS_MASKED else cell for name, cell in zip(columns, cells))
+                line = "  ".join("*" if name in masked else cell for name, cell in zip(columns, cells))
         else:
             columns = None
-        for pattern, stands in MASKS:
+        for pattern, stands in MASKS + ([(PRECISION_MASK, r"\1=*")] if precision else []):
             line = pattern.sub(stands, line)
         lines.append(" ".join(line.split()))
     return lines

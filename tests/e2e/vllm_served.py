@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.served import VSUP, Served
+from tests.e2e.served import FLOAT32, VSUP, Served
 from vsup.vllm.help import PROJECT_VENV_BIN
 
 
@@ -29,9 +29,10 @@ def vllm_bin_or_skip() -> str:
 START_S = 600
 
 
-# What the tests give vLLM beyond its defaults, which vsup keeps (vsup/vllm/args.py): float32, whose greedy
-# text a resumed stream can be held to, and eager mode, which starts in seconds where compiling takes a minute
-VLLM_FLAGS = ("--dtype", "float32")
+# What the tests give vLLM beyond its defaults, which vsup keeps (vsup/vllm/args.py): float32 (Served's FLOAT32),
+# whose greedy text a resumed stream can be held to, and eager mode, which starts in seconds where compiling
+# takes a minute
+VLLM_FLAGS = FLOAT32
 VLLM_EXTRA = ("--", "--enforce-eager")
 
 
@@ -39,7 +40,7 @@ def serve_vllm(home, model, *flags, name="vllm", env=None):
     """The tiny model's whole context (512 tokens), so that a long stream is still running at a fault. The
     tests restart a tree every minute or so, which the default backoff would make wait up to 30 s each."""
     return Served(home, model, "--engine", "vllm", "--max-model-len", "512", "--restart-max-delay", "1",
-                  *VLLM_FLAGS, *flags, *VLLM_EXTRA, name=name, kv_cache_memory="1GiB", env=env)
+                  *flags, *VLLM_EXTRA, name=name, kv_cache_memory="1GiB", env=env)
 
 
 def plan_names(*flags):

@@ -111,27 +111,73 @@ def test_auto_device_without_gpu_is_cpu():
 
 
 def test_model_memory_figures(smollm2_dir):
-    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-memory", "1GiB")
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-memory", "1GiB",
+                  "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     memory = json.loads(result.stdout)["memory"]
     worker = memory["workers"][0]
-    assert worker["weight_bytes"] == 134_515_008 * 4  # SmolLM2-135M's parameters, float32 on the CPU
+    assert worker["weight_bytes"] == 134_515_008 * 4  # SmolLM2-135M's parameters, float32 throughout
     assert worker["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert memory["tokens_per_dp_rank"] == 2**30 // (2 * 30 * 3 * 64 * 4)
+
+
+LINEARS = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)  # q/k/v, o, gate/up, down (the head is tied)
+
+
+def test_the_cpus_default_is_bfloat16_linears_and_kv_cache_where_it_computes_them(smollm2_dir):
+    """--dtype auto on a CPU with avx512_bf16: float32 weights around bfloat16 linears and KV cache (vLLM-CPU's
+    default there is bfloat16); without it, or under --dtype float32, float32 throughout. Each part opts out."""
+    from vsup.devices import cpu_computes_bfloat16
+
+    def memory(*flags):
+        result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", *flags)
+        assert result.returncode == 0, result.stderr
+        m = json.loads(result.stdout)["memory"]
+        return m["dtype"], m["linear_dtype"], m["kv_cache_dtype"], m["workers"][0]["weight_bytes"]
+
+    f32 = ("float32", "float32", "float32", 134_515_008 * 4)
+    assert memory("--dtype", "float32") == f32
+    if not cpu_computes_bfloat16():
+        assert memory() == f32
+        return
+    bf16_weights = LINEARS * 2 + (134_515_008 - LINEARS) * 4
+    assert memory() == ("float32", "bfloat16", "bfloat16", bf16_weights)
+    assert memory("--linear-dtype", "float32") == ("float32", "float32", "bfloat16", 134_515_008 * 4)
+    assert memory("--kv-cache-dtype", "float32") == ("float32", "bfloat16", "float32", bf16_weights)
+    assert memory("--engine", "vllm") == f32  # vLLM chooses its own: vsup gives it no dtype
+
+    from vsup.cli.sizing import model_memory
+    from vsup.topology import ParallelConfig
+
+    def parts(cpu_here: bool):  # --k8s: a pod's CPU is not this one, so its pod is sized for float32
+        plan = model_memory(str(smollm2_dir), ParallelConfig(device="cpu"), "auto", None, None, 0.9,
+                            cpu_here=cpu_here)[1]
+        return plan.linear_dtype, plan.kv_cache_dtype
+    assert parts(cpu_here=True) == ("bfloat16", "bfloat16") and parts(cpu_here=False) == (None, None)
+
+
+def test_cpu_auto_parts():
+    from vsup.memory import cpu_auto_parts
+
+    assert cpu_auto_parts("auto", "cpu", True, "auto", "auto") == ("bfloat16", "bfloat16")
+    assert cpu_auto_parts("auto", "cpu", True, "float32", "auto") == ("float32", "bfloat16")
+    assert cpu_auto_parts("auto", "cpu", False, "auto", "auto") == ("auto", "auto")
+    assert cpu_auto_parts("float32", "cpu", True, "auto", "auto") == ("auto", "auto")
+    assert cpu_auto_parts("auto", "cuda", True, "auto", "auto") == ("auto", "auto")
 
 
 def test_bfloat16_linears_halve_the_linears_weights_where_the_cpu_computes_them(smollm2_dir):
     from vsup.devices import cpu_computes_bfloat16
 
-    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--linear-dtype", "bfloat16")
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--linear-dtype", "bfloat16", "--dtype",
+                  "float32")
     if not cpu_computes_bfloat16():
         assert result.returncode == 2 and "needs a CPU with avx512_bf16 or AMX" in result.stderr
         return
     assert result.returncode == 0, result.stderr
     memory = json.loads(result.stdout)["memory"]
     assert (memory["dtype"], memory["linear_dtype"]) == ("float32", "bfloat16")
-    linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)  # q/k/v, o, gate/up, down (the head is tied)
-    assert memory["workers"][0]["weight_bytes"] == linears * 2 + (134_515_008 - linears) * 4
+    assert memory["workers"][0]["weight_bytes"] == LINEARS * 2 + (134_515_008 - LINEARS) * 4
     assert memory["workers"][0]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # the KV cache stays float32
     for flags, needle in ((["--dtype", "float16"], "give --dtype float32 with it"),
                           (["--engine", "vllm"], "--linear-dtype not supported with --engine vllm")):
@@ -150,14 +196,16 @@ def test_bfloat16_linears_are_for_the_cpu():
 
 
 def test_a_bfloat16_kv_cache_holds_twice_the_tokens(smollm2_dir):
-    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-dtype", "bfloat16")
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--json", "--kv-cache-dtype", "bfloat16",
+                  "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     memory = json.loads(result.stdout)["memory"]
     assert (memory["dtype"], memory["linear_dtype"], memory["kv_cache_dtype"]) == ("float32", "float32", "bfloat16")
     assert memory["workers"][0]["weight_bytes"] == 134_515_008 * 4  # the weights stay float32
     assert memory["workers"][0]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert memory["tokens_per_dp_rank"] == 2**30 // (2 * 30 * 3 * 64 * 2)
-    text = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-dtype", "bfloat16").stdout
+    text = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-dtype", "bfloat16", "--dtype",
+                "float32").stdout
     assert "float32 (KV cache bfloat16)" in text and "22.5 KiB per token, 46,603 tokens" in text
     for flags, needle in ((["--dtype", "float16"], "give --dtype float32 with it"),
                           (["--engine", "vllm"], "--kv-cache-dtype not supported with --engine vllm")):
@@ -184,7 +232,7 @@ def test_model_tp_must_divide_heads(smollm2_dir):
 
 
 def test_model_that_does_not_fit_says_by_how_much(smollm2_dir):
-    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-memory", "64MiB")
+    result = vsup("plan", str(smollm2_dir), "--device", "cpu", "--kv-cache-memory", "64MiB", "--dtype", "float32")
     assert result.returncode == 2
     # 64 MiB holds 1,456 tokens of 45 KiB (30 layers x K,V x 3 heads x 64 x 4 B); the model allows 8,192
     assert "won't fit" in result.stderr and "short by 6,736 tokens" in result.stderr

@@ -30,11 +30,13 @@ class DType(str, Enum):
 
 class LinearDType(str, Enum):
     auto = "auto"
+    float32 = "float32"
     bfloat16 = "bfloat16"
 
 
 class KvCacheDType(str, Enum):
     auto = "auto"
+    float32 = "float32"
     bfloat16 = "bfloat16"
 
 
@@ -120,19 +122,21 @@ CpuReserve = Annotated[Optional[int], _option(
 
 DTypeOpt = Annotated[DType, _option(
     "--dtype", panel=MEMORY, case_sensitive=False,
-    help="Weight and KV cache dtype: auto is the model's own on CUDA and float32 on the CPU (with --engine "
-         "vllm: vLLM's own, given only when set). bfloat16 on the CPU pays where it has avx512_bf16 or AMX "
-         "(oneDNN's packed bf16 linears).")]
+    help="Weight and KV cache dtype: auto is the model's own on CUDA; on the CPU float32, whose linears and KV "
+         "cache are bfloat16 where the CPU computes it (avx512_bf16 or AMX), as vLLM-CPU runs a float32 model in "
+         "bfloat16 there. float32 is float32 throughout (transformers' greedy tokens). With --engine vllm: "
+         "vLLM's own, given only when set.")]
 LinearDTypeOpt = Annotated[LinearDType, _option(
     "--linear-dtype", panel=MEMORY, case_sensitive=False,
-    help="The dtype the linear layers and the LM head compute in: auto is --dtype. bfloat16 runs a float32 "
-         "model's linears from bfloat16 weights, their inputs cast to it and their outputs back, while norms, "
-         "attention and the KV cache stay float32 (like torch.autocast): on a CPU with avx512_bf16 or AMX, decode "
-         "steps in half float32's time; greedy outputs part from float32's after some tokens.")]
+    help="The dtype the linear layers and the LM head compute in: auto follows --dtype (see there). bfloat16 "
+         "runs a float32 model's linears from bfloat16 weights, their inputs cast to it and their outputs back, "
+         "while norms, attention and the KV cache stay float32 (like torch.autocast): on a CPU with avx512_bf16 or "
+         "AMX, decode steps in half float32's time; greedy outputs part from float32's after some tokens.")]
 KvCacheDTypeOpt = Annotated[KvCacheDType, _option(
     "--kv-cache-dtype", panel=MEMORY, case_sensitive=False,
-    help="The dtype the KV cache stores: auto is --dtype. bfloat16 (on the CPU, for a float32 model) stores K "
-         "and V rounded to bfloat16 while attention still computes in float32: a token takes half the bytes, so "
+    help="The dtype the KV cache stores: auto follows --dtype (see there). bfloat16 (on the CPU, for a float32 "
+         "model) stores K and V rounded to bfloat16 while attention still computes in float32: a token takes half "
+         "the bytes, so "
          "--kv-cache-memory holds twice the tokens and a decode step reads half as much; greedy outputs can part "
          "from float32's after some tokens.")]
 MaxModelLen = Annotated[Optional[int], _option(

@@ -76,7 +76,7 @@ def plan(
     if model is not None and not (k8s and not os.path.isdir(model)):  # (--k8s: MODEL is the container's path)
         shape, memory = model_memory(model, config, dtype.value, max_model_len, kv_cache_memory,
                                      gpu_memory_utilization, engine.value, extra, linear_dtype.value,
-                                     kv_cache_dtype.value)
+                                     kv_cache_dtype.value, cpu_here=not k8s)
 
     if k8s:
         from vsup.cli.k8s import K8sFlags, manifests_yaml

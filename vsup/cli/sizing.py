@@ -31,10 +31,13 @@ def check_values(max_model_len: int | None, kv_cache_memory: str | None, gpu_mem
 
 def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: int | None,
                  kv_cache_memory: str | None, gpu_memory_utilization: float, engine: str = "vsup",
-                 vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto", kv_cache_dtype: str = "auto"):
+                 vllm_args: tuple[str, ...] = (), linear_dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 cpu_here: bool = True):
     """(shape, memory plan) for MODEL under `config`, or a UsageError that says what is missing from MODEL or
     does not fit. A stock vLLM runs more architectures than our engine: for it, any model whose shape reads
-    like a Llama's. `vllm_args`: what follows `--` for it."""
+    like a Llama's. `vllm_args`: what follows `--` for it. `cpu_here`: whether our engine will run on this
+    machine's CPU, so that --dtype auto's bfloat16 parts follow it (not for --k8s's pods: they size for
+    float32, which any CPU runs)."""
     from vsup.devices import cpu_computes_bfloat16, gpu_memory_bytes
     from vsup.memory import memory_plan
     from vsup.model_dir import check_model_dir
@@ -44,6 +47,7 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
     shape = read_model_shape(model, strict=engine != "vllm")
     check_model_dir(model, shape, engine, vllm_args)
     shape.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
+    cpu_bfloat16 = config.device == "cpu" and cpu_computes_bfloat16()
     if config.device == "cuda":
         device_bytes = gpu_memory_bytes()
     else:
@@ -52,8 +56,8 @@ def model_memory(model: str, config: ParallelConfig, dtype: str, max_model_len: 
     memory = memory_plan(shape, tp=config.tensor_parallel_size, pp=config.pipeline_parallel_size, dtype=dtype,
                          device=config.device, device_bytes=device_bytes, kv_cache_memory=kv_bytes,
                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                         linear_dtype=linear_dtype, cpu_bfloat16=linear_dtype != "auto" and cpu_computes_bfloat16(),
-                         kv_cache_dtype=kv_cache_dtype)
+                         linear_dtype=linear_dtype, cpu_bfloat16=cpu_bfloat16, kv_cache_dtype=kv_cache_dtype,
+                         auto_bfloat16=cpu_bfloat16 and cpu_here and engine != "vllm")
     return shape, memory
 
 
