@@ -27,20 +27,6 @@ from engine.model.config import ModelConfig
 from engine.ops import cpu_extension
 
 
-# A short prefill chunk attends row by row, each query row as a decode of its own in engine/ops' CPU kernel,
-# batched with the step's decodes. SDPA's call per sequence and layer (1,920 of them for a 64-prompt step) is
-# most of a short chunk's cost, while each row reading the context again costs the rows times the context:
-# measured here (8 sequences, one layer, bfloat16 cache), row by row / SDPA 0.17 / 0.96 ms for whole prompts
-# of 32, 2.2 / 3.3 ms for 16 tokens after 500 cached, 4.3 / 5.5 after 1,000, 4.5 / 4.3 for 32 after 500.
-SHORT_CHUNK = 32  # tokens at most
-SHORT_CHUNK_READS = 16_384  # chunk tokens x context tokens at most
-
-
-def _row_by_row(num_new: int, seq_len: int) -> bool:
-    """Whether a sequence's new tokens attend as decodes, row by row (on the CPU, where the kernel loaded)."""
-    return num_new == 1 or (num_new <= SHORT_CHUNK and num_new * seq_len <= SHORT_CHUNK_READS)
-
-
 @dataclass
 class AttentionMetadata:
     """Where one step's tokens go and what they attend to.
@@ -103,27 +89,6 @@ class AttentionMetadata:
     @cached_property
     def host_seq_lens(self) -> list[int]:
         return self.seq_lens.tolist()
-
-    @cached_property
-    def as_decodes(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, int] | None:
-        """The query rows of the decodes and of the short chunks (`_row_by_row`), each row as a decode of its
-        own: (those rows, None when they are every row; their block tables [T, nb]; their context lengths [T], a
-        chunk's row t seeing its sequence's tokens up to its own; the longest), or None when none is."""
-        starts, lens = self.host_query_start_loc, self.host_seq_lens
-        seqs, seq_lens, rows = [], [], []
-        for i, (start, end) in enumerate(zip(starts, starts[1:])):
-            n = end - start
-            if _row_by_row(n, lens[i]):
-                seqs += [i] * n
-                seq_lens += range(lens[i] - n + 1, lens[i] + 1)
-                rows += range(start, end)
-        if not rows:
-            return None
-        device = self.block_tables.device
-        tables = self.block_tables.index_select(0, torch.tensor(seqs, device=device))
-        every = len(rows) == starts[-1]
-        return (None if every else torch.tensor(rows, device=device), tables,
-                torch.tensor(seq_lens, dtype=torch.long, device=device), max(seq_lens))
 
 
 def allocate_kv_caches(config: ModelConfig, groups: ParallelGroups, num_blocks: int, block_size: int,
@@ -188,9 +153,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     them: a prefill chunk with no cached context before it reads them instead of the cache.
 
     Any mix of prefill chunks and single-token decodes is served; prefill chunks in torch,
-    decodes by engine/ops' CPU kernel where it loaded (else in torch), with the short chunks
-    beside them (`_row_by_row`); CUDA decode-only batches (power-of-two block size) go to
-    engine/ops' Triton kernel.
+    decodes by engine/ops' CPU kernel where it loaded (else in torch); CUDA decode-only batches
+    (power-of-two block size) go to engine/ops' Triton kernel.
     """
     block_size = key_cache.shape[1]
     if (query.is_cuda and metadata.is_decode_only and block_size & (block_size - 1) == 0
@@ -204,22 +168,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty_like(query)
     starts, lens = metadata.host_query_start_loc, metadata.host_seq_lens
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    # the decodes of a mixed batch go in one batched call, and on the CPU the short chunks with them
-    row_by_row = _kernels_take(query, key_cache) and key_cache.is_contiguous() and metadata.as_decodes is not None
-    if row_by_row:
-        rows, tables, token_lens, max_len = metadata.as_decodes
-        if rows is None:
-            return _decode_attention(query, key_cache, value_cache, tables, token_lens, max_len, scale, metadata)
-        out[rows] = _decode_attention(query[rows], key_cache, value_cache, tables, token_lens, max_len, scale,
-                                      metadata)
-    elif decodes := [i for i, n in enumerate(query_lens) if n == 1]:
+    # the decodes of a mixed batch still go in one batched call; prefill chunks one by one
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if decodes:
         rows = metadata.query_start_loc[decodes]
         seqs = torch.tensor(decodes, device=query.device)
         out[rows] = _decode_attention(query[rows], key_cache, value_cache, metadata.block_tables[seqs],
                                       metadata.seq_lens[seqs], max(lens[i] for i in decodes), scale,
                                       metadata)
-    for i, n in enumerate(query_lens):  # the other chunks one by one
-        if n > 1 and not (row_by_row and _row_by_row(n, lens[i])):
+    for i, n in enumerate(query_lens):
+        if n > 1:
             start = starts[i]
             rows = slice(start, start + n)
             if key is not None and n == lens[i]:  # a whole prompt: its K/V are this step's
