@@ -434,6 +434,9 @@ async def run_streams(url: str, model: str, prompts: Sequence[str], max_tokens: 
             "chunks": sum(len(s["chunks"]) for s in streams)}
 
 
+LATENCY_FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")  # (stream_summary's)
+
+
 def stream_summary(run: dict) -> dict:
     """TTFT and ITL p50/p99 in ms, tokens/s, tokens per chunk, of one run_streams result (or several
     merged: lists concatenated, wall times and tokens summed)."""

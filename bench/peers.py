@@ -40,8 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import (REPO_ROOT, Children, Server, add_mode_args, conditions, free_port, mode, print_table, ratio,
-                    run_streams, settle, stream_summary, write_results)
+from common import (LATENCY_FIGURES, REPO_ROOT, Children, Server, add_mode_args, conditions, free_port, mode,
+                    print_table, ratio, run_streams, settle, stream_summary, write_results)
 from vllm_cpu import detect as detect_vllm
 from vllm_cpu import vllm_python
 
@@ -53,7 +53,6 @@ LLAMA_SERVER = LLAMA_DIR / "bin" / "llama-server"
 SIDES = ("vsup", "vsup-f32", "vllm", "vllm-eager", "llama.cpp")
 OURS = ("vsup", "vsup-f32")  # (each compared with every other side)
 PLACEMENTS = ("all", "default")
-FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")  # (medians of the rounds)
 WORDS = ("the river city light paper window garden stone music winter market voice silver morning road "
          "table story ocean field bridge").split()
 
@@ -174,7 +173,7 @@ def summarize(rounds: list[dict], sides: list[str], counts: list[int]) -> dict:
     out = {}
     for side in sides:
         out[side] = {n: {k: statistics.median(r[side][n][k] for r in rounds)
-                         for k in FIGURES} for n in counts}
+                         for k in LATENCY_FIGURES} for n in counts}
     for ours in (s for s in sides if s in OURS):
         for peer in (s for s in sides if s != ours):
             for n in counts:
@@ -217,7 +216,7 @@ def print_results(results: dict) -> None:
     sides, counts = results["sides"], results["streams"]
     print(f"\nCPU: {results['conditions']['cpu_model']}, {os.cpu_count()} CPUs")
     for placement, summary in results["summary"].items():
-        rows = [[side, *(summary[side][n][k] for n in counts for k in FIGURES)] for side in sides]
+        rows = [[side, *(summary[side][n][k] for n in counts for k in LATENCY_FIGURES)] for side in sides]
         print_table(f"{placement}: tok/s, TTFT and ITL ms, medians of {len(results['rounds'][placement])} rounds",
                     ["side", *(f"{n} {k}" for n in counts
                                for k in ("tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"))], rows)

@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_ENV, results_dir  # noqa: E402
+from common import LATENCY_FIGURES, RESULTS_ENV, results_dir  # noqa: E402
 
 BENCHES = {
     "api_server": "bench/api_server.py",
@@ -568,7 +568,6 @@ class Report:
             self.add(f"- {side} skipped: {why}")
         counts = p["streams"]
         ours = [s for s in ("vsup", "vsup-f32") if s in p["sides"]]
-        figures = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
         for placement, summary in p["summary"].items():
             self.add("", f"**{placement}** (every core for the model)" if placement == "all" else
                      f"**{placement}** (each side's own placement)", "",
@@ -576,12 +575,11 @@ class Report:
                      + " | " + " | ".join(f"{o} / side" for o in ours) + " |",
                      "|---|" + "---|---|---|" * len(counts) + "---|" * len(ours))
             for side in p["sides"]:
-                mine = {n: [mine_n.get(k, float("nan")) for k in figures] for n, mine_n in summary[side].items()}
                 ratios = [", ".join(f"{summary[o][str(n)].get('x_' + side, float('nan')):.2f}x" for n in counts)
                           if side != o else "-" for o in ours]
-                self.add(f"| {side} | " + " | ".join(
-                    f"{_f(tok)} | {_f(t50)}, {_f(t99)} | {_f(i50)}, {_f(i99)}"
-                    for tok, t50, t99, i50, i99 in (mine[str(n)] for n in counts))
+                figures = ([summary[side][str(n)].get(k, float("nan")) for k in LATENCY_FIGURES] for n in counts)
+                self.add(f"| {side} | " + " | ".join(f"{_f(tok)} | {_f(t50)}, {_f(t99)} | {_f(i50)}, {_f(i99)}"
+                                                    for tok, t50, t99, i50, i99 in figures)
                          + "".join(f" | {r}" for r in ratios) + " |")
                 if side not in ("vllm", "llama.cpp"):
                     continue

@@ -26,8 +26,8 @@ import pytest
 from tests.conftest import build_checkpoint
 from tests.e2e.netns import lan_for_a_test
 from tests.e2e.pods import Group, manifests
-from tests.e2e.served import wait_every_process_ready
-from tests.e2e.vllm_served import START_S, VLLM_EXTRA, VLLM_FLAGS, fault_free, in_flight, plan_names, running, tree_pids
+from tests.e2e.served import FLOAT32, wait_every_process_ready
+from tests.e2e.vllm_served import START_S, VLLM_EXTRA, fault_free, in_flight, plan_names, running, tree_pids
 from tests.local_deployment import with_test_tokenizer
 from tests.polling import wait_for
 from vsup import shm_sweep
@@ -57,7 +57,7 @@ def vllm_model(vllm_bin, tmp_path_factory):
 FLAGS = ("--engine", "vllm", "-tp", "2", "--nnodes", "2", "--device", "cpu", "--name", NAME,
          "--max-model-len", "256", "--kv-cache-memory", "1GiB", "--served-model-name", "tiny",
          "--health-timeout", str(HEALTH_TIMEOUT), "--restart-max-delay", "1", "--max-restarts", "10",
-         *VLLM_FLAGS, *VLLM_EXTRA)
+         *FLOAT32, *VLLM_EXTRA)
 
 
 class Pod:

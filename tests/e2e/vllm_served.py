@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.served import FLOAT32, VSUP, Served
+from tests.e2e.served import VSUP, Served
 from vsup.vllm.help import PROJECT_VENV_BIN
 
 
@@ -32,7 +32,6 @@ START_S = 600
 # What the tests give vLLM beyond its defaults, which vsup keeps (vsup/vllm/args.py): float32 (Served's FLOAT32),
 # whose greedy text a resumed stream can be held to, and eager mode, which starts in seconds where compiling
 # takes a minute
-VLLM_FLAGS = FLOAT32
 VLLM_EXTRA = ("--", "--enforce-eager")
 
 
