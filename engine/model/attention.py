@@ -5,7 +5,9 @@ decode attention (engine/ops/csrc, which reads the blocks in place), on CUDA dec
 (Triton). The torch code stays as their fallback and the reference they are tested against.
 
 The caches may hold bfloat16 under a float32 model (--kv-cache-dtype bfloat16): K/V are rounded
-as they are written and widened as they are read, and attention computes in the model's dtype.
+as they are written and widened as they are read, and attention computes in the model's dtype, except
+that decode attention rounds the query to bfloat16 for its dots with K (products of bfloat16 numbers,
+summed in float32), as the CPU kernel's bfloat16 dot product takes it.
 
 Cache layout, per layer: key and value caches of shape
 [num_blocks, block_size, num_kv_heads // tp, head_dim]. Token j of a sequence
@@ -221,6 +223,8 @@ def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max
 def _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, metadata):
     """The plain-torch decode attention: each sequence's blocks gathered, then SDPA."""
     block_size = key_cache.shape[1]
+    if key_cache.dtype == torch.bfloat16 and query.dtype == torch.float32:  # (as the kernel rounds the query)
+        query = query.to(key_cache.dtype).to(query.dtype)
     shape = (query.shape[0], -(-max_len // block_size) * block_size, *key_cache.shape[2:])
     keys = _gather(key_cache, block_tables, max_len, metadata.scratch("keys", shape, key_cache)).to(query.dtype)
     values = _gather(value_cache, block_tables, max_len, metadata.scratch("values", shape, value_cache)).to(query.dtype)

@@ -2,7 +2,8 @@
 // reads the blocks in place (no gather).
 //
 // Caches are [num_blocks, block_size, num_kv_heads, head_dim], contiguous, float32 or bfloat16 (read
-// widened to float32, written rounded to nearest even: --kv-cache-dtype bfloat16); query is
+// widened to float32, written rounded to nearest even: --kv-cache-dtype bfloat16; the query's dots with
+// a bfloat16 K take the query rounded to bfloat16 too, with avx512_bf16 the CPU's own bfloat16 dots); query is
 // [num_seqs, num_heads, head_dim], float32, with unit stride in its last dim (a view of the fused
 // qkv output is fine). One task is one (sequence, KV head) with every query head that shares it
 // (GQA), so each K and V row is read once per group: scores for all its tokens, their softmax, then
@@ -30,11 +31,17 @@ namespace {
 
 constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds of q.k below which one thread does it all
 constexpr int64_t kWriteGrain = 8;         // new K/V rows below which one thread writes them all
+// A query element as the dots over a cache of T take it: over a bfloat16 cache rounded to bfloat16 (to
+// nearest even), so that every path computes what scores_bf16_dot does, products of bfloat16 numbers
+// (exact in float32) summed in float32.
+inline float query_for(float x, float) { return x; }
+inline float query_for(float x, vsup::BF16) { return vsup::widen(vsup::narrow<vsup::BF16>(x)); }
+
 template <typename T>
 inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * vsup::widen(b[i]);
+  for (int64_t i = 0; i < n; ++i) sum += query_for(a[i], T{}) * vsup::widen(b[i]);
   return sum;
 }
 
@@ -83,6 +90,16 @@ inline __m512 load16(const vsup::BF16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// query_for, 16 at a time: to nearest even by adding 0x7fff plus the kept part's lowest bit, then
+// dropping the low 16 bits
+inline __m512 query16(const float* p, float) { return _mm512_loadu_ps(p); }
+inline __m512 query16(const float* p, vsup::BF16) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
 // Lane i of the result is the sum of v[i]'s 16 lanes: the 16 horizontal sums in 4 rounds of
 // shuffles and adds, each round halving the vectors (a dot's own horizontal sum is a chain of
 // dependent adds; 16 of them were most of the time of a decode step's attention).
@@ -103,26 +120,31 @@ inline __m512 sums_of(__m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Rows sit block by block wherever the allocator put them, where the hardware's prefetcher does not
+// follow: ask for the 16 tokens after t0's keys, and t0's n tokens' values for later.
+template <typename T>
+inline void prefetch_rows(const Context<T>& c, int64_t t0, int n) {
+  const int64_t width = c.heads / c.group * c.head_dim;  // elements of a token's row that the task reads
+  constexpr int64_t line = 64 / sizeof(T);                // elements of a cache line
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    for (int64_t f = 0; f < width; f += line) {
+      if (t + 16 < c.len) _mm_prefetch(reinterpret_cast<const char*>(c.keys + c.rows[t + 16] + f), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c.values + c.rows[t] + f), _MM_HINT_T1);
+    }
+  }
+}
+
 // scores_any for head_dim = 16 C: 16 tokens at a time per head, their dots as 16 independent
 // vectors of partial sums, summed across lanes together.
 template <int C, typename T>
 void scores_avx512(const Context<T>& c, const float* q, int64_t q_head, float scale, float* scores) {
   const __m512 scale_v = _mm512_set1_ps(scale);
-  const int64_t width = c.heads / c.group * c.head_dim;  // elements of a token's row that the task reads
-  constexpr int64_t line = 64 / sizeof(T);                // elements of a cache line
   for (int64_t t0 = 0; t0 < c.len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, c.len - t0));
-    // Rows sit block by block wherever the allocator put them, where the hardware's prefetcher
-    // does not follow: ask for the next 16 tokens' keys, and these 16 tokens' values for later.
-    for (int64_t t = t0; t < t0 + n; ++t) {
-      for (int64_t f = 0; f < width; f += line) {
-        if (t + 16 < c.len) _mm_prefetch(reinterpret_cast<const char*>(c.keys + c.rows[t + 16] + f), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(c.values + c.rows[t] + f), _MM_HINT_T1);
-      }
-    }
+    prefetch_rows(c, t0, n);
     for (int64_t h = 0; h < c.heads; ++h) {
       __m512 qv[C], acc[16];
-      for (int i = 0; i < C; ++i) qv[i] = _mm512_loadu_ps(q + h * q_head + 16 * i);
+      for (int i = 0; i < C; ++i) qv[i] = query16(q + h * q_head + 16 * i, T{});
       const T* k = c.keys + (h / c.group) * c.head_dim;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
@@ -137,6 +159,43 @@ void scores_avx512(const Context<T>& c, const float* q, int64_t q_head, float sc
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// scores_avx512 over a bfloat16 cache with the CPU's bfloat16 dot product (vdpbf16ps): a K row is taken
+// as it is stored, 32 elements an instruction, against the query rounded to bfloat16 (to nearest even);
+// the products are exact in float32 and summed in it. Widening K instead costs two more instructions a
+// 16 elements, for each query head that reads the row: three times the work of these dots.
+template <int C>
+void scores_bf16_dot(const Context<vsup::BF16>& c, const float* q, int64_t q_head, float scale, float* scores) {
+  static_assert(C % 2 == 0, "pairs of 16 elements");
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < c.len; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, c.len - t0));
+    prefetch_rows(c, t0, n);
+    for (int64_t h = 0; h < c.heads; ++h) {
+      __m512bh qv[C / 2];  // elements 32 i .. 32 i + 31 of the query head, in bfloat16, in a K row's order
+      for (int i = 0; i < C / 2; ++i) {
+        const float* qi = q + h * q_head + 32 * i;
+        qv[i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 16), _mm512_loadu_ps(qi));
+      }
+      const vsup::BF16* k = c.keys + (h / c.group) * c.head_dim;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < n) {
+          const vsup::BF16* row = k + c.rows[t0 + j];
+          for (int i = 0; i < C / 2; ++i) {
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv[i], (__m512bh)_mm512_loadu_si512(row + 32 * i));
+          }
+        }
+      }
+      _mm512_mask_storeu_ps(scores + h * c.len + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sums_of(acc), scale_v));
+    }
+  }
+}
+#endif
 
 // values_any for head_dim = 16 C: a head's sum stays in registers, two tokens at a time.
 template <int C, typename T>
@@ -174,6 +233,12 @@ using Values = void (*)(const Context<T>&, const float*, float*);
 template <typename T>
 std::pair<Scores<T>, Values<T>> kernels_for([[maybe_unused]] int64_t head_dim, [[maybe_unused]] bool vectorized) {
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, vsup::BF16>) {
+    if (vectorized && head_dim == 64) return {scores_bf16_dot<4>, values_avx512<4, T>};
+    if (vectorized && head_dim == 128) return {scores_bf16_dot<8>, values_avx512<8, T>};
+  }
+#endif
   if (vectorized && head_dim == 64) return {scores_avx512<4, T>, values_avx512<4, T>};
   if (vectorized && head_dim == 128) return {scores_avx512<8, T>, values_avx512<8, T>};
 #endif
