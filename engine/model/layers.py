@@ -36,7 +36,9 @@ def _empty(groups: ParallelGroups, dtype: torch.dtype, *shape: int) -> nn.Parame
 class RMSNorm(nn.Module):
     """RMS norm, computed in float32 as transformers does; with `residual`
     it first adds it and returns (normed, new residual). On the CPU (float32) that add and the
-    norm are one kernel that writes both into x and residual, which the caller hands over."""
+    norm are one kernel that writes both into x and residual, which the caller hands over; x may
+    be a bfloat16 linear's output (`native`, below), and the normed rows are then bfloat16, what
+    the next such linear takes."""
 
     def __init__(self, size: int, eps: float, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
@@ -44,8 +46,8 @@ class RMSNorm(nn.Module):
         self.weight = _empty(groups, dtype, size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if (residual is not None and cpu_extension.is_available(x) and x.dim() == residual.dim() == 2
-                and x.stride(-1) == residual.stride(-1) == 1):
+        if (residual is not None and cpu_extension.takes_rows(x) and cpu_extension.is_available(residual)
+                and x.dim() == residual.dim() == 2 and x.stride(-1) == residual.stride(-1) == 1):
             torch.ops.vsup_cpu.add_rms_norm_(x, residual, self.weight, self.eps)  # both in place, one pass
             return x, residual
         if residual is not None:
@@ -110,6 +112,15 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _out_dtype(linear: ColumnParallelLinear | RowParallelLinear, native: bool) -> torch.dtype:
+    """The model's dtype; with `native`, the one the linear computes in where it has no bias (its packed
+    weight's: bfloat16 under --linear-dtype bfloat16), for a next op that takes that as it is (the norms,
+    SiLU, another such linear), sparing a cast each way, as engine/ops/csrc/decoder_stack.cpp does."""
+    if native and linear.packed is not None and linear.bias is None:
+        return linear.packed.dtype
+    return linear.weight.dtype
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: each TP rank computes its
     slice of the output, no communication. `output_sizes` lists the full
@@ -130,8 +141,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(groups, dtype, sum(self.shard_sizes)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (engine/ops/cpu_linear.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.packed, self.bias)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.packed, self.bias, _out_dtype(self, native))
 
     def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:
         size = self.shard_sizes[shard_id]
@@ -159,10 +170,11 @@ class RowParallelLinear(nn.Module):
         self.bias = _empty(groups, dtype, output_size) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (engine/ops/cpu_linear.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
         if self.groups.tp_size == 1:
-            return cpu_linear.linear(x, self.weight, self.packed, self.bias)
-        y = self.groups.all_reduce(cpu_linear.linear(x, self.weight, self.packed))
+            return cpu_linear.linear(x, self.weight, self.packed, self.bias, _out_dtype(self, native))
+        # the partial sums are added up in the model's dtype
+        y = self.groups.all_reduce(cpu_linear.linear(x, self.weight, self.packed, out_dtype=self.weight.dtype))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, loaded, shard_id: int = 0) -> None:

@@ -47,11 +47,12 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), native=True)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up merged in one column-parallel linear."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up merged in one column-parallel linear. With
+    bfloat16 linears (--linear-dtype bfloat16) the rows stay bfloat16 from gate/up to down's output."""
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
@@ -60,17 +61,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, groups, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_extension.is_available(gate_up) and gate_up.dim() == 2:
+        gate_up = self.gate_up_proj(x, native=True)
+        if cpu_extension.takes_rows(gate_up) and gate_up.dim() == 2:
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             torch.ops.vsup_cpu.silu_and_mul(gate_up, out)
-            return self.down_proj(out)
+            return self.down_proj(out, native=True)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(F.silu(gate).mul_(up), native=True)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP; the residual add is fused into the next norm."""
+    """Pre-norm attention and MLP; the residual add is fused into the next norm. The hidden rows it
+    returns may be of the linears' dtype (bfloat16 ones), the residual's are the model's."""
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
         super().__init__()
@@ -118,6 +120,7 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+            hidden = hidden.to(residual.dtype)  # (a bfloat16 linear's rows: the next stage and the head take the model's)
         if self.norm is None:
             return IntermediateTensors(hidden=hidden, residual=residual)
         return self.norm(hidden, residual)[0]

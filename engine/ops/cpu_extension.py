@@ -88,5 +88,13 @@ def is_available(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and load()
 
 
+def takes_rows(tensor: torch.Tensor) -> bool:
+    """True when the norms and SiLU can take `tensor`'s rows: float32 ones (`is_available`), or the
+    bfloat16 output of a bfloat16 linear (--linear-dtype bfloat16), which they read as it is."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.device.type == "cpu" and load()
+    return is_available(tensor)
+
+
 if __name__ == "__main__":  # `make install`: build now rather than in a worker's first step
     print("engine/ops CPU kernels:", "ready" if load() else "not built (plain torch is used)")

@@ -45,14 +45,16 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one; rows of another dtype than the packed
-    weight's are cast to it and back, the bias added in theirs."""
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one, in `out_dtype` (default: x's). Rows of
+    another dtype than the packed weight's are cast to it, the result to `out_dtype`, and the bias is
+    added in that. (Without a packed weight, F.linear: x's dtype.)"""
     if packed is None:
         return F.linear(x, weight, bias)
-    if packed.dtype == x.dtype:
+    out_dtype = out_dtype or x.dtype
+    if packed.dtype == x.dtype == out_dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "").to(x.dtype)
+    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "").to(out_dtype)
     return y if bias is None else y.add_(bias)
 
 

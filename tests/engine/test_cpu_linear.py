@@ -68,6 +68,35 @@ def test_a_float32_model_with_bfloat16_linears(tiny_model):
     assert layer.self_attn.qkv_proj.bias.dtype == torch.float32  # added after the linear, in float32
 
 
+@needs_bf16
+def test_a_bfloat16_linear_hands_its_own_rows_on_when_asked():
+    """out_dtype=bfloat16: the rows oneDNN computed, not cast to float32 and back by the next linear."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(200, 96), torch.randn(64, 96)
+    packed = cpu_linear.pack(weight, torch.bfloat16)
+    got = cpu_linear.linear(x, weight, packed, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_linear.linear(x, weight, packed).bfloat16())  # the same sums, rounded once
+    assert cpu_linear.linear(x, weight, packed).dtype == torch.float32  # (by default: the rows' dtype)
+
+
+@needs_bf16
+def test_a_float32_model_with_bfloat16_linears_keeps_the_mlp_in_bfloat16(tiny_model):
+    """Prefill through the Python loop: gate/up, SiLU and down in bfloat16 (no cast between them, as
+    the C++ decode stack does), the residual and what the model returns in float32, and the result
+    the same as with a cast around every linear, within bfloat16's rounding."""
+    model = load_model(tiny_model("llama"), dtype="float32", linear_dtype="bfloat16")
+    mlp = next(iter(model.model.layers.values())).mlp
+    seen = {}
+    mlp.down_proj.register_forward_hook(lambda module, args, out: seen.update(down_in=args[0].dtype, down_out=out.dtype))
+    x = torch.randn(20, model.config.hidden_size)
+    out = mlp(x)
+    assert seen == {"down_in": torch.bfloat16, "down_out": torch.bfloat16} and out.dtype == torch.bfloat16
+    gate, up = cpu_linear.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.packed).chunk(2, dim=-1)
+    cast_around = cpu_linear.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.packed)
+    torch.testing.assert_close(out.float(), cast_around, rtol=2e-2, atol=2e-2)
+
+
 def test_bfloat16_linears_are_refused_where_they_cannot_run(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="for a float32 model"):
         load_model(tiny_model("llama"), dtype="float16", linear_dtype="bfloat16")
