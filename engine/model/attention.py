@@ -92,6 +92,21 @@ class AttentionMetadata:
     def host_seq_lens(self) -> list[int]:
         return self.seq_lens.tolist()
 
+    @cached_property
+    def query_lens(self) -> list[int]:
+        starts = self.host_query_start_loc
+        return [end - start for start, end in zip(starts, starts[1:])]
+
+    @cached_property
+    def whole_prompts(self) -> dict[int, torch.Tensor]:
+        """Sequences whose chunk is all of their context (a prompt with nothing cached) and longer than
+        a token, by length: length -> their query rows, sequence after sequence [count * length]."""
+        rows: dict[int, list[int]] = {}
+        for start, n, seq_len in zip(self.host_query_start_loc, self.query_lens, self.host_seq_lens):
+            if n == seq_len > 1:
+                rows.setdefault(n, []).extend(range(start, start + n))
+        return {n: torch.tensor(r, device=self.query_start_loc.device) for n, r in rows.items()}
+
 
 def allocate_kv_caches(config: ModelConfig, groups: ParallelGroups, num_blocks: int, block_size: int,
                        dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -168,9 +183,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return _decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                  metadata.max_seq_len, scale, metadata)
     out = torch.empty_like(query)
-    starts, lens = metadata.host_query_start_loc, metadata.host_seq_lens
-    query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    # the decodes of a mixed batch still go in one batched call; prefill chunks one by one
+    starts, lens, query_lens = metadata.host_query_start_loc, metadata.host_seq_lens, metadata.query_lens
+    # the decodes of a mixed batch go in one batched call, whole prompts in one a length, other chunks one by one
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     if decodes:
         rows = metadata.query_start_loc[decodes]
@@ -178,15 +192,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         out[rows] = _decode_attention(query[rows], key_cache, value_cache, metadata.block_tables[seqs],
                                       metadata.seq_lens[seqs], max(lens[i] for i in decodes), scale,
                                       metadata)
+    whole = metadata.whole_prompts if key is not None else {}  # their K/V are this step's
+    for n, rows in whole.items():
+        picked = (x.index_select(0, rows) for x in (query, key, value))
+        out.index_copy_(0, rows, _prompts_attention(n, *picked, scale))
     for i, n in enumerate(query_lens):
-        if n > 1:
+        if n > 1 and (n != lens[i] or key is None):  # (a chunk after cached tokens)
             start = starts[i]
             rows = slice(start, start + n)
-            if key is not None and n == lens[i]:  # a whole prompt: its K/V are this step's
-                keys, values = key[rows], value[rows]
-            else:
-                keys = _gather(key_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
-                values = _gather(value_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
+            keys = _gather(key_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
+            values = _gather(value_cache, metadata.block_tables[i], lens[i]).to(query.dtype)
             out[rows] = _prefill_attention(query[rows], keys, values, scale)
     return out
 
@@ -233,6 +248,15 @@ def _decode_attention_torch(query, key_cache, value_cache, block_tables, seq_len
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def _prompts_attention(n, query, keys, values, scale):
+    """Whole prompts of n tokens each, in one causal call: query [count * n, H, D] and their keys and
+    values [count * n, H_kv, D], sequence after sequence (SDPA's per-call cost was most of a prefill
+    step's attention when each short prompt had a call of its own)."""
+    q, k, v = (x.view(-1, n, *x.shape[1:]).transpose(1, 2) for x in (query, keys, values))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(query.shape)
 
 
 def _prefill_attention(query, keys, values, scale):

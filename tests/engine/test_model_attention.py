@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
@@ -32,8 +32,12 @@ def dense_attention(q, k, v, scale):
     group=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
+# two whole prompts of one length (one batched call), a chunk of that length after cached tokens (not
+# one of them), a one-token prompt (a decode)
+@example(seqs=[(0, 5), (3, 5), (0, 5), (0, 1)], block_size=4, group=3, seed=7)
 def test_paged_attention_equals_dense_causal_attention(seqs, block_size, group, seed):
-    """seqs: (cached tokens, new tokens) each; single new tokens are decodes."""
+    """seqs: (cached tokens, new tokens) each; single new tokens are decodes, whole prompts of one
+    length go in one call."""
     gen = torch.Generator().manual_seed(seed)
     num_kv_heads, head_dim = 2, 8
     num_heads = num_kv_heads * group
