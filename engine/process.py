@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -65,6 +66,17 @@ def become(default_name: str) -> str:
     except ImportError:  # pragma: no cover - a declared dependency
         pass
     return name
+
+
+def freeze_heap() -> None:
+    """Once started (imports, model, caches in place): what the process holds so far leaves the garbage
+    collector's sight (gc.freeze, as vLLM does after its startup), so that a full collection while it
+    serves scans only what came since. Without it, the API server's full collections took 30-38 ms
+    each while it served 64 streams: a pause that every stream's next token waited for. Only the
+    youngest objects are collected first (a full collection here took a worker 100 ms, on each
+    restart); older garbage, if any, stays frozen."""
+    gc.collect(0)
+    gc.freeze()
 
 
 def exit_on_sigterm() -> None:

@@ -149,7 +149,7 @@ def build(args: argparse.Namespace, before_serving=None, on_fatal=None):
 def main(argv: list[str] | None = None) -> int:
     """Become `api-server a<rank>`, build the app, serve until SIGTERM or SIGINT."""
     from engine.log import configure
-    from engine.process import become
+    from engine.process import become, freeze_heap
 
     args = parse_args(argv)
     if args.metrics_dir:  # prometheus_client reads it once, when imported (engine/api_server/metrics.py)
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1, listen=not join_later)
 
     def say_ready() -> None:
+        freeze_heap()
         log.info("ready" if args.multiprocessing else "listening", host=args.host, port=sock.getsockname()[1],
                  multiprocessing=args.multiprocessing, api_key=bool(args.api_key))
 

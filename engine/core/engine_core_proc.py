@@ -29,6 +29,7 @@ from engine.core.wave_follower import WaveFollower
 from engine.executor.worker_group import WorkerGroup, WorkerGroupFailed
 from engine.load import LoadMeter, report_to_supervisor
 from engine.model.config import ModelConfig
+from engine.process import freeze_heap
 from engine.wire.decoder import Decoder
 from engine.wire.protocol import (AbortRequests, AddRequest, CoreLoad, Drain, Failed, Hello, Outputs, Ready,
                                   Refused, RequestUpdate, Shutdown, UtilityCall, UtilityResult, WorkersLost,
@@ -111,6 +112,7 @@ class EngineCoreProc:
             self.core = build_engine_core(self.args, self.group, self.model_config)
         except ValueError as e:
             raise CoreFailed(str(e)) from None
+        freeze_heap()
         self.say_ready()
         log.info("ready", num_blocks=self.core.config.num_blocks, max_model_len=self.core.config.max_model_len)
         report_to_supervisor(self.meter)

@@ -25,7 +25,7 @@ from engine import cluster
 from engine.args import add_parallel_sizes, role_parser
 from engine.load import LoadMeter, report_to_supervisor
 from engine.log import configure
-from engine.process import become, exit_on_sigterm, stopping
+from engine.process import become, exit_on_sigterm, freeze_heap, stopping
 from engine.ring.shm_broadcast import PeerDied, RingClosed, ShmBroadcastReader
 from engine.ring.tcp_broadcast import TcpBroadcastReader
 from engine.wire.worker_messages import (CacheReady, GroupEpoch, InitializeCache, JoinGroup, Shutdown, WorkerFailed,
@@ -157,6 +157,7 @@ def serve(worker: Worker, sock: zmq.Socket, log, ready: WorkerReady, node_rank: 
         ring = ShmBroadcastReader.attach(msg.ring_name, worker.config.rank, msg.wakeup_address)
     sock.send(encoder.encode(CacheReady(name=worker.config.name, num_blocks=msg.num_blocks, kv_cache_bytes=nbytes,
                                         epoch=ready.epoch)))
+    freeze_heap()
     meter = LoadMeter()
     report_to_supervisor(meter, lambda: device_memory(worker, nbytes))
     # a remote worker's ring has no such word: its stuck step waits for the collective's timeout
