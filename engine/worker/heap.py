@@ -6,7 +6,7 @@ freed (or trims the heap's top back to the kernel), so the next layer's block fa
 4 KiB page at a time: measured here, a 64-prompt prefill step took 440-600 ms with glibc's defaults and
 330-400 ms with the settings below, and 64 streams through the server 1.12-1.21x the tokens/s. The worker
 sets them once its weights and KV cache are in place, after giving back what loading freed, so that what
-the heap keeps from then on is bounded by a step's peak (and the cache's pages are faulted in as they fill).
+the heap keeps from then on is bounded by a step's peak (the cache's pages: engine/worker/prefault.py).
 """
 
 from __future__ import annotations

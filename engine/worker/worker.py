@@ -19,6 +19,7 @@ from engine.progress import ProgressReporter
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.wire.worker_messages import WorkerReady
 from engine.worker import heap
+from engine.worker.prefault import Prefault
 from engine.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("worker")
@@ -74,6 +75,7 @@ class Worker:
         self.groups: ParallelGroups | None = None
         self.runner: ModelRunner | None = None
         self.load_seconds = 0.0
+        self.prefault: Prefault | None = None  # a CPU cache's pages faulted in ahead (prefault.py)
 
     def init_device(self, epoch: str = "") -> None:
         """Join the worker group (TP x PP > 1) under `epoch`, the generation its core forms."""
@@ -136,16 +138,25 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> int:
         """Allocate `num_blocks` KV blocks on every layer of this stage; returns the bytes."""
+        self._stop_prefault()
         nbytes = self.runner.allocate_cache(num_blocks)
         if self.config.device == "cpu":  # for the steps: what loading freed goes back, and no more after
             heap.keep_freed_memory()
+            self.prefault = Prefault([t for pair in self.runner.kv_caches for t in pair]).start()
         log.info("kv cache allocated", num_blocks=num_blocks, kv_cache_bytes=nbytes)
         return nbytes
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; the sampling rank (last stage, TP rank 0) returns the sampled tokens."""
-        return self.runner.execute(scheduler_output)
+        with self.prefault.paused() if self.prefault is not None else contextlib.nullcontext():
+            return self.runner.execute(scheduler_output)
+
+    def _stop_prefault(self) -> None:
+        if self.prefault is not None:
+            self.prefault.stop()
+            self.prefault = None
 
     def shutdown(self) -> None:
+        self._stop_prefault()
         if self.groups is not None:
             self.groups.destroy()
