@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
-            hidden = hidden.to(residual.dtype)  # (a bfloat16 linear's rows: the next stage and the head take the model's)
+            hidden = hidden.to(residual.dtype)  # (bfloat16 linears' rows: the next stage and the head take the model's)
         if self.norm is None:
             return IntermediateTensors(hidden=hidden, residual=residual)
         return self.norm(hidden, residual)[0]

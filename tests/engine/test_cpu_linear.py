@@ -88,7 +88,7 @@ def test_a_float32_model_with_bfloat16_linears_keeps_the_mlp_in_bfloat16(tiny_mo
     model = load_model(tiny_model("llama"), dtype="float32", linear_dtype="bfloat16")
     mlp = next(iter(model.model.layers.values())).mlp
     seen = {}
-    mlp.down_proj.register_forward_hook(lambda module, args, out: seen.update(down_in=args[0].dtype, down_out=out.dtype))
+    mlp.down_proj.register_forward_hook(lambda mod, args, out: seen.update(down_in=args[0].dtype, down_out=out.dtype))
     x = torch.randn(20, model.config.hidden_size)
     out = mlp(x)
     assert seen == {"down_in": torch.bfloat16, "down_out": torch.bfloat16} and out.dtype == torch.bfloat16
