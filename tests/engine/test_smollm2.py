@@ -96,3 +96,24 @@ def test_bfloat16_linears_stay_near_transformers(model_dir, hf_logits):
         best = steps.max(-1).values
         picked = steps[torch.arange(8), torch.tensor(tokens)]
         assert ((best - picked) <= 0.02 * best.abs()).all(), (key, tokens, (best - picked).tolist())
+
+
+def test_the_default_bfloat16_parts_answer_the_same_from_a_chunked_prefill(model_dir, hf_logits):
+    """vsup's default on a CPU with avx512_bf16, both bfloat16 parts together (linears and KV cache; the tests
+    above take one each): the whole prompt in one step, and in small chunks after cached tokens (what a
+    prefix-cache hit runs: the last chunk 5 tokens), each give tokens that transformers, fed the same tokens,
+    puts within 2% of its best logit."""
+    if not cpu_linear.computes_bfloat16():
+        pytest.skip("this CPU has no avx512_bf16: the default is float32 there")
+    worker = Worker(WorkerConfig(model=str(model_dir), linear_dtype="bfloat16", kv_cache_dtype="bfloat16",
+                                 kv_cache_bytes=64 << 20, block_size=16))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_cache(worker.ready_report().num_blocks)
+    prompt = PROMPTS["chat"]  # 37 tokens: chunks of 16, 16 and 5
+    for chunk in (64, 16):
+        tokens = drive(worker.execute, {f"chat-{chunk}": prompt}, 12, chunk=chunk, block_size=16)[f"chat-{chunk}"]
+        steps = hf_logits(model_dir, prompt + tokens)[len(prompt) - 1:-1]
+        best = steps.max(-1).values
+        picked = steps[torch.arange(12), torch.tensor(tokens)]
+        assert ((best - picked) <= 0.02 * best.abs()).all(), (chunk, tokens, (best - picked).tolist())
