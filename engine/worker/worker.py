@@ -19,8 +19,8 @@ from engine.progress import ProgressReporter
 from engine.wire.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.wire.worker_messages import WorkerReady
 from engine.worker import heap
-from engine.worker.prefault import Prefault
 from engine.worker.model_runner import ModelRunner
+from engine.worker.prefault import Prefault
 
 log = structlog.get_logger("worker")
 
