@@ -197,7 +197,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         picked = (x.index_select(0, rows) for x in (query, key, value))
         out.index_copy_(0, rows, _prompts_attention(n, *picked, scale))
     for i, n in enumerate(query_lens):
-        if n > 1 and (n != lens[i] or key is None):  # (a chunk after cached tokens)
+        if n > 1 and (n != lens[i] or key is None):  # (not one of `whole`: a chunk after cached tokens, or no K/V)
             start = starts[i]
             rows = slice(start, start + n)
             keys = _gather(key_cache, metadata.block_tables[i], lens[i]).to(query.dtype)

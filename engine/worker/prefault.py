@@ -25,7 +25,7 @@ import structlog
 import torch
 
 MADV_POPULATE_WRITE = 23  # (Python 3.11's mmap module does not name it)
-CHUNK_BYTES = 32 * 1024  # of each tensor per call: a call is not preempted, so each one is short
+CHUNK_BYTES = 32 * 1024  # of each tensor per call: short, so a step that begins mid-call waits little
 
 log = structlog.get_logger("worker")
 

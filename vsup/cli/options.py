@@ -135,7 +135,7 @@ LinearDTypeOpt = Annotated[LinearDType, _option(
 KvCacheDTypeOpt = Annotated[KvCacheDType, _option(
     "--kv-cache-dtype", panel=MEMORY, case_sensitive=False,
     help="The dtype the KV cache stores: auto follows --dtype (see there). bfloat16 (on the CPU, for a float32 "
-         "model) stores K and V rounded to bfloat16 while attention still computes in float32: a token takes half "
+         "model) stores K and V rounded to bfloat16 while attention still sums in float32: a token takes half "
          "the bytes, so --kv-cache-memory holds twice the tokens and a decode step reads half as much; greedy "
          "outputs can part from float32's after some tokens.")]
 MaxModelLen = Annotated[Optional[int], _option(
