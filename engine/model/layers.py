@@ -222,6 +222,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     (so a tied head can share its weight); logits are gathered on TP rank 0."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits [N, vocab] on TP rank 0; None on other ranks."""
-        logits = self.groups.gather(cpu_linear.linear(hidden, self.weight, self.packed), dim=-1)
+        """Full-vocabulary logits [N, vocab] on TP rank 0; None on other ranks. In the head's own dtype: a
+        bfloat16 head under a float32 model (--linear-dtype bfloat16) gives bfloat16 logits as oneDNN wrote
+        them, not widened (the samplers widen what they compute on; greedy reads them as they are)."""
+        out_dtype = None if self.packed is None else self.packed.dtype
+        logits = self.groups.gather(cpu_linear.linear(hidden, self.weight, self.packed, out_dtype=out_dtype), dim=-1)
         return None if logits is None else logits[..., :self.vocab_size]

@@ -87,8 +87,8 @@ def is_available(tensor: torch.Tensor) -> bool:
 
 
 def takes_rows(tensor: torch.Tensor) -> bool:
-    """True when the norms and SiLU can take `tensor`'s rows: float32 ones (`is_available`), or the
-    bfloat16 output of a bfloat16 linear (--linear-dtype bfloat16), which they read as it is."""
+    """True when the norms, SiLU and the argmax can take `tensor`'s rows: float32 ones (`is_available`), or
+    the bfloat16 output of a bfloat16 linear or LM head (--linear-dtype bfloat16), which they read as it is."""
     if tensor.dtype == torch.bfloat16:
         return tensor.device.type == "cpu" and load()
     return is_available(tensor)

@@ -114,12 +114,11 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> long [N], their argmax: on the CPU (float32) engine/ops' vectorized kernel,
-    several times faster than torch's at a decode batch's width of vocabulary. bfloat16 logits go to
-    it as float32 (exact, so the same index): 1.3 ms at 64 x 49,152 against torch's bf16 argmax's 6.0."""
-    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
-        logits = logits.float()
-    if cpu_extension.is_available(logits) and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1:
+    """logits [N, V] -> long [N], their argmax: on the CPU (float32, or bfloat16 as the LM head gave them)
+    engine/ops' vectorized kernel, several times faster than torch's at a decode batch's width of
+    vocabulary. 64 x 49,152 bfloat16 logits read as they are: 0.9 ms on 2 cores, against 3.5 widened
+    to float32 first and 6.0 for torch's bf16 argmax."""
+    if cpu_extension.takes_rows(logits) and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1:
         out = torch.empty(logits.shape[0], dtype=torch.long)
         torch.ops.vsup_cpu.argmax_rows(logits, out)
         return out
